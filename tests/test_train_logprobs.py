@@ -39,7 +39,7 @@ def test_chunked_equals_numpy(request, batch, length, hidden, vocab, chunk, voca
   t[0, 0] = vocab - 1  # the last column sits in the shifted slice
   want_logp, want_ent, want_grad = _numpy_logprobs(h, w, t, temperature)
 
-  fn = lambda h: token_logprobs(h, jnp.asarray(w), jnp.asarray(t), chunk=chunk, vocab_chunk=vocab_chunk,
+  fn = lambda h: token_logprobs(h, jnp.asarray(w.T), jnp.asarray(t), chunk=chunk, vocab_chunk=vocab_chunk,
                                 temperature=temperature)
   logp, ent = jax.jit(fn)(jnp.asarray(h))
   np.testing.assert_allclose(np.asarray(logp), want_logp, rtol=1e-5, atol=1e-5)
@@ -55,7 +55,7 @@ def test_bf16_inputs_accumulate_in_float32(request):
   t = rng.integers(0, 40, size=(2, 6))
   h16, w16 = jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
   want_logp, want_ent, _ = _numpy_logprobs(np.asarray(h16, np.float32), np.asarray(w16, np.float32), t, 1.0)
-  logp, ent = token_logprobs(h16, w16, jnp.asarray(t), chunk=4, vocab_chunk=16)
+  logp, ent = token_logprobs(h16, w16.T, jnp.asarray(t), chunk=4, vocab_chunk=16)
   assert logp.dtype == jnp.float32 and ent.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(logp), want_logp, rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(np.asarray(ent), want_ent, rtol=1e-4, atol=1e-4)
@@ -65,7 +65,7 @@ def test_no_full_logits_buffer():
   """The compiled forward+backward never holds [B, T, V] float32 logits."""
   batch, length, hidden, vocab = 4, 64, 16, 4096
   h = jnp.ones((batch, length, hidden), jnp.float32)
-  w = jnp.ones((hidden, vocab), jnp.float32)
+  w = jnp.ones((vocab, hidden), jnp.float32)
   t = jnp.zeros((batch, length), jnp.int32)
   f = jax.jit(jax.grad(lambda h: token_logprobs(h, w, t, chunk=16, vocab_chunk=512)[0].sum()))
   stats = f.lower(h).compile().memory_analysis()
@@ -74,7 +74,7 @@ def test_no_full_logits_buffer():
 
 
 def test_bad_shapes_raise():
-  with pytest.raises(ValueError, match="lm_head_DxV.shape"):
-    token_logprobs(jnp.ones((1, 2, 3)), jnp.ones((4, 5)), jnp.zeros((1, 2), jnp.int32))
+  with pytest.raises(ValueError, match="lm_head_VxD.shape"):
+    token_logprobs(jnp.ones((1, 2, 3)), jnp.ones((5, 4)), jnp.zeros((1, 2), jnp.int32))
   with pytest.raises(ValueError, match="temperature"):
-    token_logprobs(jnp.ones((1, 2, 3)), jnp.ones((3, 5)), jnp.zeros((1, 2), jnp.int32), temperature=0.0)
+    token_logprobs(jnp.ones((1, 2, 3)), jnp.ones((5, 3)), jnp.zeros((1, 2), jnp.int32), temperature=0.0)

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 _NEG = -1e30
 
 
-def _chunk_stats(h_BxCxD, targets_BxC, lm_head_DxV, vocab_chunk: int, temperature: float):
+def _chunk_stats(h_BxCxD, targets_BxC, lm_head_VxD, vocab_chunk: int, temperature: float):
   """(logp_BxC, entropy_BxC) of one sequence chunk, scanning the vocabulary in slices."""
-  vocab = lm_head_DxV.shape[1]
+  vocab = lm_head_VxD.shape[0]
   num_slices = -(-vocab // vocab_chunk)
   batch, length = targets_BxC.shape
   col_Vc = jnp.arange(vocab_chunk, dtype=jnp.int32)
@@ -33,8 +33,9 @@ def _chunk_stats(h_BxCxD, targets_BxC, lm_head_DxV, vocab_chunk: int, temperatur
     # shares with the previous slice are masked out so each column is counted once.
     nominal = i * vocab_chunk
     start = jnp.minimum(nominal, vocab - vocab_chunk)
-    w_DxVc = jax.lax.dynamic_slice_in_dim(lm_head_DxV, start, vocab_chunk, axis=1)
-    logits_BxCxVc = jnp.einsum("bcd,dv->bcv", h_BxCxD, w_DxVc, preferred_element_type=jnp.float32)
+    w_VcxD = jax.lax.dynamic_slice_in_dim(lm_head_VxD, start, vocab_chunk, axis=0)
+    logits_BxCxVc = jnp.einsum("bcd,vd->bcv", h_BxCxD, w_VcxD.astype(h_BxCxD.dtype),
+                               preferred_element_type=jnp.float32)
     logits_BxCxVc = logits_BxCxVc.astype(jnp.float32) / temperature
     index_Vc = start + col_Vc
     keep_Vc = index_Vc >= nominal
@@ -59,12 +60,12 @@ def _chunk_stats(h_BxCxD, targets_BxC, lm_head_DxV, vocab_chunk: int, temperatur
   return logp_BxC, entropy_BxC
 
 
-def token_logprobs(h_BxTxD: jax.Array, lm_head_DxV: jax.Array, targets_BxT: jax.Array, *, chunk: int = 256,
+def token_logprobs(h_BxTxD: jax.Array, lm_head_VxD: jax.Array, targets_BxT: jax.Array, *, chunk: int = 256,
                    vocab_chunk: int = 16384, temperature: float = 1.0):
   """log softmax(h @ lm_head / temperature)[target] and the entropy of that softmax, per position.
 
   h_BxTxD: final-normed hidden states (any float dtype; the matmul accumulates in float32).
-  lm_head_DxV: the output projection, [hidden, vocab] (a tied embedding transposed).
+  lm_head_VxD: the output matrix, [vocab, hidden] (HF layout; the embedding when tied).
   targets_BxT: int token ids whose log-probs are wanted.
   chunk, vocab_chunk: positions and vocabulary columns handled per step; peak extra memory is about
     B * chunk * vocab_chunk float32 in the forward and in the backward pass.
@@ -72,14 +73,14 @@ def token_logprobs(h_BxTxD: jax.Array, lm_head_DxV: jax.Array, targets_BxT: jax.
   """
   if h_BxTxD.ndim != 3 or targets_BxT.shape != h_BxTxD.shape[:2]:
     raise ValueError(f"expected h [B, T, D] and targets [B, T], got {h_BxTxD.shape=} {targets_BxT.shape=}")
-  if lm_head_DxV.ndim != 2 or lm_head_DxV.shape[0] != h_BxTxD.shape[-1]:
-    raise ValueError(f"{lm_head_DxV.shape=} must be [hidden={h_BxTxD.shape[-1]}, vocab]")
+  if lm_head_VxD.ndim != 2 or lm_head_VxD.shape[1] != h_BxTxD.shape[-1]:
+    raise ValueError(f"{lm_head_VxD.shape=} must be [vocab, hidden={h_BxTxD.shape[-1]}]")
   if chunk <= 0 or vocab_chunk <= 0:
     raise ValueError(f"{chunk=} and {vocab_chunk=} must be > 0")
   if not temperature > 0:
     raise ValueError(f"{temperature=} must be > 0 for log-probs")
   batch, length, hidden = h_BxTxD.shape
-  vocab_chunk = min(vocab_chunk, lm_head_DxV.shape[1])
+  vocab_chunk = min(vocab_chunk, lm_head_VxD.shape[0])
   chunk = min(chunk, length)
   num_chunks = -(-length // chunk)
   pad = num_chunks * chunk - length
@@ -90,7 +91,7 @@ def token_logprobs(h_BxTxD: jax.Array, lm_head_DxV: jax.Array, targets_BxT: jax.
   targets_NxBxC = targets_BxT.astype(jnp.int32).reshape(batch, num_chunks, chunk).swapaxes(0, 1)
 
   stats = jax.checkpoint(functools.partial(
-    _chunk_stats, lm_head_DxV=lm_head_DxV, vocab_chunk=vocab_chunk, temperature=temperature))
+    _chunk_stats, lm_head_VxD=lm_head_VxD, vocab_chunk=vocab_chunk, temperature=temperature))
 
   def seq_step(_, xs):
     return None, stats(*xs)
@@ -101,9 +102,9 @@ def token_logprobs(h_BxTxD: jax.Array, lm_head_DxV: jax.Array, targets_BxT: jax.
   return logp_BxT, entropy_BxT
 
 
-def token_logprobs_reference(h_BxTxD, lm_head_DxV, targets_BxT, *, temperature: float = 1.0):
+def token_logprobs_reference(h_BxTxD, lm_head_VxD, targets_BxT, *, temperature: float = 1.0):
   """The naive formula (full [B, T, V] float32 logits), for tests and tiny models."""
-  logits_BxTxV = jnp.einsum("btd,dv->btv", h_BxTxD, lm_head_DxV,
+  logits_BxTxV = jnp.einsum("btd,vd->btv", h_BxTxD, lm_head_VxD,
                             preferred_element_type=jnp.float32).astype(jnp.float32) / temperature
   logp_BxTxV = jax.nn.log_softmax(logits_BxTxV, axis=-1)
   logp_BxT = jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None].astype(jnp.int32), axis=-1)[..., 0]
