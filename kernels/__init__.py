@@ -1,0 +1,8 @@
+"""Fused NVFP4 weight-only matmul kernels (Pallas, Triton backend) with an XLA fallback."""
+
+from kernels.config import Nvfp4MatmulConfig, get_config, heuristic_config  # noqa: F401
+from kernels.nvfp4_matmul import (  # noqa: F401
+  IMPLEMENTATIONS, default_implementation, nvfp4_matmul, nvfp4_matmul_reference,
+)
+from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas  # noqa: F401
+from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas  # noqa: F401

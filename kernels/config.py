@@ -1,0 +1,149 @@
+"""Tile configurations for the NVFP4 matmul kernels: a frozen dataclass, heuristic defaults, tuned data.
+
+Tuned values are data, not literals: ``kernels/tuning/<device kind>.json`` (e.g. ``nvidia_h200.json`` for
+jax's device_kind 'NVIDIA H200') holds a list of entries ``{"direction": "fwd"|"bwd", "max_rows": R,
+"config": {...}}``; the first entry of the right direction whose ``max_rows`` covers the row count wins,
+and any field it leaves out comes from the heuristic. Shapes are always re-fitted (``fit``) so that a tuned
+entry can never produce an invalid launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+
+_TUNING_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
+# Streaming multiprocessors to fill with programs when there are few rows (132 on the H100/H200 SXM).
+_DEFAULT_NUM_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class Nvfp4MatmulConfig:
+  """Static tiling of one NVFP4 matmul launch.
+
+  Forward (y[M, N] = x[M, K] @ W[K, N]): block_m x block_n output tiles, block_k the contraction step.
+  Backward (dx[M, K] = dy[M, N] @ W[K, N]^T): block_m x block_k output tiles, block_n the contraction step.
+  split: programs along the contraction axis (split-K forward, split-N backward) whose float32 partial sums
+  are added afterwards; more programs keep all SMs streaming weights when there are few rows.
+  group_m: row tiles visited together so neighbouring programs share weight tiles in L2.
+  """
+
+  block_m: int = 16
+  block_n: int = 64
+  block_k: int = 256
+  split: int = 1
+  group_m: int = 8
+  num_warps: int = 4
+  num_stages: int = 3
+
+  def __post_init__(self):
+    for name in ("block_m", "block_n", "block_k"):
+      v = getattr(self, name)
+      if v < 16 or v & (v - 1):
+        raise ValueError(f"{name}={v} must be a power of two >= 16 (Triton dot tiles)")
+    if self.split < 1 or self.group_m < 1 or self.num_warps < 1 or self.num_stages < 1:
+      raise ValueError(f"bad config {self}")
+
+
+def _pow2_at_most(v: int) -> int:
+  return 1 << (max(int(v), 1).bit_length() - 1)
+
+
+def _largest_pow2_divisor_block(dim: int, block: int) -> int:
+  """The largest power of two <= block that divides dim (dim is a multiple of 16 here)."""
+  block = _pow2_at_most(block)
+  while block > 16 and dim % block:
+    block //= 2
+  return block
+
+
+def heuristic_config(direction: str, m: int, k: int, n: int, num_sms: int = _DEFAULT_NUM_SMS):
+  """Defaults from the shape alone (no tuning data)."""
+  if direction == "fwd":
+    if m <= 16:
+      cfg = Nvfp4MatmulConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4)
+    elif m <= 64:
+      cfg = Nvfp4MatmulConfig(block_m=max(16, _pow2_at_most(2 * m - 1)), block_n=64, block_k=128,
+                              num_warps=4, num_stages=4)
+    elif m <= 256:
+      cfg = Nvfp4MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
+    else:
+      cfg = Nvfp4MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+  elif direction == "bwd":
+    if m <= 16:
+      cfg = Nvfp4MatmulConfig(block_m=16, block_n=256, block_k=64, num_warps=4, num_stages=4)
+    elif m <= 64:
+      cfg = Nvfp4MatmulConfig(block_m=max(16, _pow2_at_most(2 * m - 1)), block_n=128, block_k=64,
+                              num_warps=4, num_stages=4)
+    elif m <= 256:
+      cfg = Nvfp4MatmulConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    else:
+      cfg = Nvfp4MatmulConfig(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=3)
+  else:
+    raise ValueError(f"{direction=} must be 'fwd' or 'bwd'")
+  return fit(cfg, direction, m, k, n, num_sms=num_sms, auto_split=True)
+
+
+def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
+        num_sms: int = _DEFAULT_NUM_SMS, auto_split: bool = False) -> Nvfp4MatmulConfig:
+  """Shrinks tiles to the problem and makes the split valid.
+
+  block_k always divides K (the packed and scale tiles then never straddle the end of a row); rows and N
+  columns beyond the array are masked in the kernels. With auto_split, the split grows (powers of two) until
+  about two programs run per SM.
+  """
+  if k % 16:
+    raise ValueError(f"{k=} must be a multiple of 16 (the NVFP4 block)")
+  block_k = _largest_pow2_divisor_block(k, cfg.block_k)
+  block_m = max(16, min(cfg.block_m, _pow2_at_most(2 * m - 1) if m > 1 else 16))
+  block_n = max(16, min(cfg.block_n, _pow2_at_most(2 * n - 1) if n > 1 else 16))
+  num_m = -(-m // block_m)
+  if direction == "fwd":
+    tiles = num_m * -(-n // block_n)
+    steps = k // block_k  # contraction steps
+  else:
+    tiles = num_m * (k // block_k)
+    steps = -(-n // block_n)
+  split = cfg.split
+  if auto_split:
+    split = 1
+    while tiles * split < 2 * num_sms and split * 2 <= min(steps, 32):
+      split *= 2
+  split = max(1, min(split, steps))
+  if direction == "fwd":
+    while steps % split:  # split-K must cut K into whole block_k steps
+      split -= 1
+  return dataclasses.replace(cfg, block_m=block_m, block_n=block_n, block_k=block_k, split=split)
+
+
+def _device_file(device_kind: str) -> str:
+  name = "".join(c if c.isalnum() else "_" for c in device_kind.lower()).strip("_")
+  return os.path.join(_TUNING_DIR, f"{name}.json")
+
+
+@functools.lru_cache(maxsize=None)
+def load_tuning(device_kind: str) -> tuple:
+  """The tuned entries for a device kind (empty when there is no file)."""
+  path = _device_file(device_kind)
+  if not os.path.exists(path):
+    return ()
+  with open(path) as f:
+    data = json.load(f)
+  return tuple((e["direction"], int(e["max_rows"]), tuple(sorted(e["config"].items())))
+               for e in data["entries"])
+
+
+def get_config(direction: str, m: int, k: int, n: int, device_kind: str | None = None,
+               num_sms: int = _DEFAULT_NUM_SMS) -> Nvfp4MatmulConfig:
+  """Tuned config for the device kind when one covers the shape, else the heuristic one."""
+  base = heuristic_config(direction, m, k, n, num_sms=num_sms)
+  if device_kind:
+    for d, max_rows, items in load_tuning(device_kind):
+      if d == direction and m <= max_rows:
+        tuned = dict(items)
+        auto = "split" not in tuned
+        cfg = dataclasses.replace(base, **tuned)
+        return fit(cfg, direction, m, k, n, num_sms=num_sms, auto_split=auto)
+  return base

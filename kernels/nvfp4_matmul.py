@@ -1,0 +1,173 @@
+"""Public NVFP4 weight-only matmul: dispatch, custom VJP, and the pure-jnp reference.
+
+``nvfp4_matmul(x, q)`` computes ``x @ dequantize(q, x.dtype)`` for x of shape [..., K] and an
+``NVFP4Tensor`` q of logical shape [K, N]. On a CUDA GPU with fp8 conversion (compute capability >= 8.9)
+it runs the fused Pallas kernels, forward and backward (the gradient flows to x only: the base is frozen,
+so LoRA training never materializes a 16-bit weight); elsewhere (CPU, older GPUs, float32 activations) it
+falls back to the XLA reference, so the model can call it everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels import config as config_lib
+from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
+from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
+from qerl_jax.quant.types import NVFP4_BLOCK, NVFP4Tensor
+
+IMPLEMENTATIONS = ("pallas", "triton", "xla")
+KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _dequantize(q: NVFP4Tensor, dtype) -> jax.Array:
+  """dequantize(q, dtype) from qerl_jax.quant (the project's one dequantizer), [K, N]."""
+  from qerl_jax import quant  # late: quant may import heavier modules
+  if hasattr(quant, "dequantize"):
+    return quant.dequantize(q, dtype)
+  # Until qerl_jax.quant.dequantize lands: the NVFP4.md formula, float32 divide first, one rounding.
+  p = q.packed_NxKh
+  codes = jnp.stack([p & 15, p >> 4], axis=-1).reshape(p.shape[0], -1)
+  mag = jnp.asarray(_E2M1, jnp.float32)[codes & 7]
+  vals = jnp.where(codes >= 8, -mag, mag)
+  eff = q.scale_NxKb.astype(jnp.float32) / q.global_scale.astype(jnp.float32)[0]
+  return (vals * jnp.repeat(eff, NVFP4_BLOCK, axis=1)).astype(dtype).T
+
+
+def nvfp4_matmul_reference(x: jax.Array, q: NVFP4Tensor) -> jax.Array:
+  """The XLA reference: dequantize to x's dtype, then a plain dot. x [..., K] -> [..., N]."""
+  return jnp.matmul(x, _dequantize(q, x.dtype))
+
+
+def check_shapes(x_shape, x_dtype, q: NVFP4Tensor) -> tuple[int, int]:
+  """Validates a call; returns (K, N). Raises ValueError naming the offending value."""
+  if not isinstance(q, NVFP4Tensor):
+    raise TypeError(f"q must be an NVFP4Tensor, got {type(q).__name__}")
+  if q.packed_NxKh.ndim != 2 or q.scale_NxKb.ndim != 2:
+    raise ValueError(f"{q.packed_NxKh.shape=} and {q.scale_NxKb.shape=} must be 2-D (one weight)")
+  n, kh = q.packed_NxKh.shape
+  k = 2 * kh
+  if k % NVFP4_BLOCK:
+    raise ValueError(f"{k=} (in_features) must be a multiple of {NVFP4_BLOCK}")
+  if q.scale_NxKb.shape != (n, k // NVFP4_BLOCK):
+    raise ValueError(f"{q.scale_NxKb.shape=} must be {(n, k // NVFP4_BLOCK)} for {q.packed_NxKh.shape=}")
+  if q.packed_NxKh.dtype != jnp.uint8:
+    raise ValueError(f"{q.packed_NxKh.dtype=} must be uint8")
+  if q.scale_NxKb.dtype != jnp.float8_e4m3fn:
+    raise ValueError(f"{q.scale_NxKb.dtype=} must be float8_e4m3fn")
+  if len(x_shape) < 1 or x_shape[-1] != k:
+    raise ValueError(f"x.shape={tuple(x_shape)} must end in K={k} for a weight of logical shape {(k, n)}")
+  if not jnp.issubdtype(x_dtype, jnp.floating):
+    raise ValueError(f"x.dtype={x_dtype} must be floating")
+  return k, n
+
+
+def _gpu_supported() -> bool:
+  """A CUDA device whose Triton lowering converts fp8 (sm_89+: Ada, Hopper, Blackwell)."""
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError:
+    return False
+  if dev.platform != "gpu":
+    return False
+  cc = getattr(dev, "compute_capability", None)
+  try:
+    return cc is not None and float(cc) >= 8.9
+  except ValueError:
+    return False
+
+
+def _device_kind() -> str:
+  return jax.devices()[0].device_kind
+
+
+def default_implementation(x_dtype) -> str:
+  """What ``implementation=None`` resolves to on this backend for activations of this dtype."""
+  if jnp.dtype(x_dtype) in KERNEL_DTYPES and _gpu_supported():
+    return "pallas"
+  return "xla"
+
+
+def _zero_cotangent(a: jax.Array):
+  if jnp.issubdtype(a.dtype, jnp.floating):
+    return jnp.zeros_like(a)
+  return np.zeros(a.shape, dtype=jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _pallas_matmul_2d(x_MxK, q, fwd_cfg, bwd_cfg, interpret):
+  return nvfp4_matmul_fwd_pallas(x_MxK, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=fwd_cfg,
+                                 interpret=interpret)
+
+
+def _pallas_matmul_2d_fwd(x_MxK, q, fwd_cfg, bwd_cfg, interpret):
+  return _pallas_matmul_2d(x_MxK, q, fwd_cfg, bwd_cfg, interpret), q
+
+
+def _pallas_matmul_2d_bwd(fwd_cfg, bwd_cfg, interpret, q, dy_MxN):
+  dx_MxK = nvfp4_matmul_bwd_pallas(dy_MxN, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=bwd_cfg,
+                                   interpret=interpret)
+  return dx_MxK, jax.tree_util.tree_map(_zero_cotangent, q)
+
+
+_pallas_matmul_2d.defvjp(_pallas_matmul_2d_fwd, _pallas_matmul_2d_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("implementation", "interpret", "fwd_config", "bwd_config"))
+def _nvfp4_matmul_jit(x, q, *, implementation, interpret, fwd_config, bwd_config):
+  if implementation == "xla":
+    return nvfp4_matmul_reference(x, q)
+  k, n = q.shape
+  lead = x.shape[:-1]
+  y_MxN = _pallas_matmul_2d(x.reshape(-1, k), q, fwd_config, bwd_config, interpret)
+  return y_MxN.reshape(*lead, n)
+
+
+def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor, *, implementation: str | None = None,
+                 interpret: bool = False, fwd_config: config_lib.Nvfp4MatmulConfig | None = None,
+                 bwd_config: config_lib.Nvfp4MatmulConfig | None = None) -> jax.Array:
+  """y = x @ dequantize(q, x.dtype) without materializing the 16-bit weight.
+
+  Args:
+    x: activations [..., K], bf16 or fp16 for the kernels (other float dtypes use the XLA path).
+    q: NVFP4Tensor of logical shape [K, N] (``qerl_jax.quant.quantize(w, "nvfp4")``).
+    implementation: "pallas" (fused Pallas/Triton kernels), "xla" (dequantize then dot), "triton"
+      (reserved for a jax-triton kernel; not built, raises), or None for the fastest one available here.
+    interpret: run the Pallas kernels in interpret mode (any backend, for tests).
+    fwd_config / bwd_config: tile configs; None picks the tuned or heuristic one for the shape.
+  Returns:
+    y [..., N] in x's dtype. Differentiable in x (the weight is treated as a constant).
+  """
+  k, n = check_shapes(x.shape, x.dtype, q)
+  if implementation is None:
+    implementation = "pallas" if interpret else default_implementation(x.dtype)
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS} or None")
+  if implementation == "triton":
+    raise NotImplementedError("implementation='triton' (a jax-triton kernel) is not built; use 'pallas', "
+                              "which lowers to Triton through Pallas, or 'xla'")
+  if implementation == "pallas":
+    if jnp.dtype(x.dtype) not in KERNEL_DTYPES:
+      raise ValueError(f"x.dtype={x.dtype} is not supported by the pallas kernels (bf16, fp16)")
+    if not interpret and not _gpu_supported():
+      raise ValueError("implementation='pallas' needs a CUDA GPU with compute capability >= 8.9 "
+                       "(or interpret=True)")
+    m = max(1, int(np.prod(x.shape[:-1])))
+    kind = None if interpret else _device_kind()
+    if fwd_config is None:
+      fwd_config = config_lib.get_config("fwd", m, k, n, kind)
+    else:
+      fwd_config = config_lib.fit(fwd_config, "fwd", m, k, n)
+    if bwd_config is None:
+      bwd_config = config_lib.get_config("bwd", m, k, n, kind)
+    else:
+      bwd_config = config_lib.fit(bwd_config, "bwd", m, k, n)
+    if m == 0 or n == 0:
+      return jnp.zeros((*x.shape[:-1], n), x.dtype)
+  return _nvfp4_matmul_jit(x, q, implementation=implementation, interpret=interpret,
+                           fwd_config=fwd_config, bwd_config=bwd_config)

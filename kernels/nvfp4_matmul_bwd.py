@@ -1,0 +1,106 @@
+"""Backward NVFP4 matmul for activations: dx[M, K] = dy[M, N] @ dequant(W)[K, N]^T, dequantization fused.
+
+The base weight is frozen, so this is the only gradient the kernels produce (no weight gradient). Same
+packed [N, K/2] weight, now contracted over N: each program owns a [block_m, block_k] tile of dx, walks N in
+block_n steps, decodes the [block_n, block_k] weight tile in registers and accumulates the swapped product
+acc[K, M] += W_tile^T @ dy_tile^T. With few rows the N walk is split over programs (split-N), whose float32
+partials XLA adds, so all SMs stream weights.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels import nvfp4_tile
+from kernels.config import Nvfp4MatmulConfig
+from kernels.nvfp4_matmul_fwd import _tile_ids
+
+
+def nvfp4_matmul_bwd_kernel(dy_ref, packed_ref, scale_ref, gs_ref, o_ref, *, block_m: int, block_n: int,
+                            block_k: int, steps_per_split: int, group_m: int, split: int):
+  """One [block_m, block_k] tile of dx over one split of N.
+
+  dy_ref [M, N]; packed_ref uint8 [N, K/2]; scale_ref e4m3 [N, K/16]; gs_ref f32 [1];
+  o_ref [M, K] (dy dtype) when split == 1, else float32 partials [split, M, K].
+  """
+  m, n = dy_ref.shape
+  k = 2 * packed_ref.shape[1]
+  num_m = pl.cdiv(m, block_m)
+  num_k = k // block_k
+  pid_m, pid_k = _tile_ids(pl.program_id(0), num_m, num_k, group_m)
+  pid_s = pl.program_id(1)
+  rows_M = pid_m * block_m + jnp.arange(block_m)
+  row_mask = rows_M < m
+  k0 = pid_k * block_k
+  n_start = pid_s * steps_per_split * block_n
+
+  def body(i, acc_KxM):
+    n0 = n_start + i * block_n
+    col_mask = (n0 + jnp.arange(block_n)) < n
+    dy_MxN = plgpu.load(dy_ref.at[pl.ds(pid_m * block_m, block_m), pl.ds(n0, block_n)],
+                        mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+    p_NxKh = plgpu.load(
+        packed_ref.at[pl.ds(n0, block_n), pl.ds(pl.multiple_of(k0 // 2, block_k // 2), block_k // 2)],
+        mask=col_mask[:, None], other=0)
+    s_NxKb = plgpu.load(scale_ref.at[pl.ds(n0, block_n), pl.ds(k0 // 16, block_k // 16)],
+                        mask=col_mask[:, None], other=0.0)
+    w_NxK = nvfp4_tile.dequant_tile(p_NxKh, s_NxKb, dy_MxN.dtype)
+    return acc_KxM + jax.lax.dot_general(w_NxK, dy_MxN, (((0,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+
+  acc_KxM = jax.lax.fori_loop(0, steps_per_split, body, jnp.zeros((block_k, block_m), jnp.float32))
+  dx_MxK = acc_KxM.T * nvfp4_tile.output_multiplier(gs_ref[0])
+  mask = row_mask[:, None]
+  if split == 1:
+    plgpu.store(o_ref.at[pl.ds(pid_m * block_m, block_m), pl.ds(k0, block_k)],
+                dx_MxK.astype(o_ref.dtype), mask=mask)
+  else:
+    plgpu.store(o_ref.at[pid_s, pl.ds(pid_m * block_m, block_m), pl.ds(k0, block_k)], dx_MxK, mask=mask)
+
+
+def nvfp4_matmul_bwd_pallas(dy_MxN: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array,
+                            global_scale: jax.Array, *, config: Nvfp4MatmulConfig,
+                            interpret: bool = False, poison: bool = False) -> jax.Array:
+  """Builds the grid and launches the backward kernel; returns dx [M, K] in dy's dtype.
+
+  poison: start from a NaN-filled output (aliased in place), so a tile the kernel fails to write shows up.
+  """
+  m, n = dy_MxN.shape
+  k = 2 * packed_NxKh.shape[1]
+  cfg = config
+  if k % cfg.block_k:
+    raise ValueError(f"{k=} must be a multiple of {cfg.block_k=}")
+  num_m = pl.cdiv(m, cfg.block_m)
+  steps = pl.cdiv(n, cfg.block_n)
+  steps_per_split = pl.cdiv(steps, cfg.split)
+  split = pl.cdiv(steps, steps_per_split)  # no split left without work
+  kernel = functools.partial(
+      nvfp4_matmul_bwd_kernel, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
+      steps_per_split=steps_per_split, group_m=cfg.group_m, split=split)
+  if split == 1:
+    out_shape = jax.ShapeDtypeStruct((m, k), dy_MxN.dtype)
+  else:
+    out_shape = jax.ShapeDtypeStruct((split, m, k), jnp.float32)
+  operands = [dy_MxN, packed_NxKh, scale_NxKb, global_scale.astype(jnp.float32).reshape(1)]
+  aliases = {}
+  if poison:
+    operands.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
+    aliases = {4: 0}
+    kernel = functools.partial(nvfp4_tile.drop_poison_ref, kernel)
+  out = pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=(num_m * (k // cfg.block_k), split),
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      input_output_aliases=aliases,
+      interpret=interpret,
+      name="nvfp4_matmul_bwd",
+  )(*operands)
+  if split > 1:
+    out = out.sum(axis=0).astype(dy_MxN.dtype)
+  return out

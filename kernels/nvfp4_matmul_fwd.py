@@ -1,0 +1,120 @@
+"""Forward NVFP4 weight-only matmul: y[M, N] = x[M, K] @ dequant(W)[K, N], dequantization fused.
+
+One Pallas (Triton backend) kernel serves decode and prefill; the config picks the shape of work:
+- few rows: block_m = 16 and split-K, so that N / block_n * split programs keep every SM streaming packed
+  weights (the problem is memory-bound; float32 partial sums are added by XLA afterwards);
+- many rows: large tensor-core tiles with Triton's software pipelining (num_stages), grouped tile order.
+The product is computed "swapped" (acc[N, M] = W_tile @ x_tile^T), as Marlin-style kernels do: the weight
+tile, decoded in registers, is the left operand and the few activation rows are the narrow right operand,
+so a 16-row batch wastes no tensor-core width.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels import nvfp4_tile
+from kernels.config import Nvfp4MatmulConfig
+
+
+def _tile_ids(pid, num_m: int, num_n: int, group_m: int):
+  """Grouped order: group_m row tiles sweep each weight column tile together (weight reuse in L2)."""
+  width = group_m * num_n
+  group = pid // width
+  first_m = group * group_m
+  rows_in_group = jnp.minimum(num_m - first_m, group_m)
+  pid_m = first_m + (pid % width) % rows_in_group
+  pid_n = (pid % width) // rows_in_group
+  return pid_m, pid_n
+
+
+def nvfp4_matmul_fwd_kernel(x_ref, packed_ref, scale_ref, gs_ref, o_ref, *, block_m: int, block_n: int,
+                            block_k: int, k_per_split: int, group_m: int, split: int):
+  """One [block_m, block_n] output tile over one contraction split.
+
+  x_ref [M, K]; packed_ref uint8 [N, K/2]; scale_ref e4m3 [N, K/16]; gs_ref f32 [1];
+  o_ref [M, N] (x dtype) when split == 1, else float32 partials [split, M, N].
+  """
+  m, _ = x_ref.shape
+  n = packed_ref.shape[0]
+  num_m = pl.cdiv(m, block_m)
+  num_n = pl.cdiv(n, block_n)
+  pid_m, pid_n = _tile_ids(pl.program_id(0), num_m, num_n, group_m)
+  pid_s = pl.program_id(1)
+  rows_M = pid_m * block_m + jnp.arange(block_m)
+  cols_N = pid_n * block_n + jnp.arange(block_n)
+  row_mask = rows_M < m
+  col_mask = cols_N < n
+  k_start = pid_s * k_per_split
+
+  def body(i, acc_NxM):
+    k0 = pl.multiple_of(k_start + i * block_k, block_k)
+    x_MxK = plgpu.load(x_ref.at[pl.ds(pid_m * block_m, block_m), pl.ds(k0, block_k)],
+                       mask=row_mask[:, None], other=0.0)
+    p_NxKh = plgpu.load(
+        packed_ref.at[pl.ds(pid_n * block_n, block_n), pl.ds(pl.multiple_of(k0 // 2, block_k // 2),
+                                                              block_k // 2)],
+        mask=col_mask[:, None], other=0)
+    s_NxKb = plgpu.load(
+        scale_ref.at[pl.ds(pid_n * block_n, block_n), pl.ds(k0 // 16, block_k // 16)],
+        mask=col_mask[:, None], other=0.0)
+    w_NxK = nvfp4_tile.dequant_tile(p_NxKh, s_NxKb, x_MxK.dtype)
+    return acc_NxM + jax.lax.dot_general(w_NxK, x_MxK, (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+
+  acc_NxM = jax.lax.fori_loop(0, k_per_split // block_k, body,
+                              jnp.zeros((block_n, block_m), jnp.float32))
+  y_MxN = acc_NxM.T * nvfp4_tile.output_multiplier(gs_ref[0])
+  mask = row_mask[:, None] & col_mask[None, :]
+  if split == 1:
+    plgpu.store(o_ref.at[pl.ds(pid_m * block_m, block_m), pl.ds(pid_n * block_n, block_n)],
+                y_MxN.astype(o_ref.dtype), mask=mask)
+  else:
+    plgpu.store(o_ref.at[pid_s, pl.ds(pid_m * block_m, block_m), pl.ds(pid_n * block_n, block_n)],
+                y_MxN, mask=mask)
+
+
+def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array,
+                            global_scale: jax.Array, *, config: Nvfp4MatmulConfig,
+                            interpret: bool = False, poison: bool = False) -> jax.Array:
+  """Builds the grid and launches the forward kernel; returns y [M, N] in x's dtype.
+
+  poison: start from a NaN-filled output (aliased in place), so a tile the kernel fails to write shows up.
+  """
+  m, k = x_MxK.shape
+  n = packed_NxKh.shape[0]
+  cfg = config
+  if k % cfg.block_k or (k // cfg.block_k) % cfg.split:
+    raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
+  num_m = pl.cdiv(m, cfg.block_m)
+  num_n = pl.cdiv(n, cfg.block_n)
+  kernel = functools.partial(
+      nvfp4_matmul_fwd_kernel, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
+      k_per_split=k // cfg.split, group_m=cfg.group_m, split=cfg.split)
+  if cfg.split == 1:
+    out_shape = jax.ShapeDtypeStruct((m, n), x_MxK.dtype)
+  else:
+    out_shape = jax.ShapeDtypeStruct((cfg.split, m, n), jnp.float32)
+  operands = [x_MxK, packed_NxKh, scale_NxKb, global_scale.astype(jnp.float32).reshape(1)]
+  aliases = {}
+  if poison:
+    operands.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
+    aliases = {4: 0}
+    kernel = functools.partial(nvfp4_tile.drop_poison_ref, kernel)
+  out = pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=(num_m * num_n, cfg.split),
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      input_output_aliases=aliases,
+      interpret=interpret,
+      name="nvfp4_matmul_fwd",
+  )(*operands)
+  if cfg.split > 1:
+    out = out.sum(axis=0).astype(x_MxK.dtype)
+  return out

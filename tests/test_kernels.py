@@ -1,0 +1,224 @@
+"""NVFP4 matmul kernels in Pallas interpret mode against an independent NumPy oracle.
+
+Inputs are fresh random packed bytes (every nibble value), random positive finite e4m3 block scales and a
+random global scale; the seed comes from the test name. Interpret mode starts every output as NaN, and the
+``poison`` path aliases a NaN-filled buffer in, so a tile the kernel does not write fails the comparison.
+"""
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kernels
+from kernels import config as config_lib
+from kernels.config import Nvfp4MatmulConfig
+from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
+from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
+from qerl_jax.quant.types import NVFP4Tensor
+
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+
+
+def _rng(request):
+  seed = zlib.crc32(request.node.name.encode())
+  print(f"seed={seed}")
+  return np.random.default_rng(seed)
+
+
+def _random_q(rng, k, n):
+  packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+  # Log-uniform positive scales across e4m3's range, subnormals included; all finite (< 448).
+  scale = np.exp2(rng.uniform(-9, 8.7, (n, k // 16))).astype(ml_dtypes.float8_e4m3fn)
+  gs = np.array([rng.uniform(50.0, 3000.0)], np.float32)
+  return NVFP4Tensor(jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(gs))
+
+
+def _dequant_np(q):
+  """W [K, N] in float64 from the bytes: E2M1[code] * scale / global_scale (NVFP4.md)."""
+  p = np.asarray(q.packed_NxKh)
+  codes = np.stack([p & 15, p >> 4], -1).reshape(p.shape[0], -1)
+  scale = np.repeat(np.asarray(q.scale_NxKb).astype(np.float64), 16, axis=1)
+  return (E2M1[codes] * scale / np.float64(np.asarray(q.global_scale)[0])).T
+
+
+def _assert_close(got, a, b, out_dtype):
+  """got ~ a @ b (float64), within one rounding to out_dtype plus float32 accumulation error."""
+  got = np.asarray(jnp.asarray(got).astype(jnp.float32)).astype(np.float64)
+  a = np.asarray(jnp.asarray(a).astype(jnp.float32)).astype(np.float64)
+  want = a @ b
+  bound = np.abs(a) @ np.abs(b)
+  ulp = float(jnp.finfo(out_dtype).eps)
+  tol = ulp * np.abs(want) + 1e-5 * bound + 1e-30
+  assert not np.isnan(got).any(), "NaN in output: a tile was not written"
+  bad = np.abs(got - want) > tol
+  assert not bad.any(), f"{bad.sum()} of {bad.size} wrong; max err {np.abs(got - want).max()}"
+
+
+FWD_CASES = [
+  # (M, K, N, dtype, config or None)
+  (1, 16, 16, jnp.bfloat16, None),  # smallest K and N
+  (20, 64, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=32, split=2)),  # ragged
+  (3, 48, 40, jnp.float16, None),  # K = 3 blocks: block_k falls to 16
+  (37, 128, 24, jnp.bfloat16, Nvfp4MatmulConfig(block_m=32, block_n=16, block_k=64, group_m=2)),
+]
+
+
+@pytest.mark.parametrize("m,k,n,dtype,cfg", FWD_CASES)
+def test_fwd_kernel_matches_oracle(request, m, k, n, dtype, cfg):
+  rng = _rng(request)
+  q = _random_q(rng, k, n)
+  x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  cfg = config_lib.fit(cfg, "fwd", m, k, n) if cfg else config_lib.heuristic_config("fwd", m, k, n)
+  y = nvfp4_matmul_fwd_pallas(x, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=cfg,
+                              interpret=True, poison=True)
+  assert y.shape == (m, n) and y.dtype == dtype
+  _assert_close(y, x, _dequant_np(q), dtype)
+
+
+BWD_CASES = [
+  (1, 16, 16, jnp.bfloat16, None),
+  (20, 64, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=32, split=2)),  # ragged
+  (5, 96, 56, jnp.float16, Nvfp4MatmulConfig(block_m=16, block_n=16, block_k=32, split=3)),
+  (33, 32, 40, jnp.bfloat16, Nvfp4MatmulConfig(block_m=32, block_n=32, block_k=16, group_m=2)),
+]
+
+
+@pytest.mark.parametrize("m,k,n,dtype,cfg", BWD_CASES)
+def test_bwd_kernel_matches_oracle(request, m, k, n, dtype, cfg):
+  rng = _rng(request)
+  q = _random_q(rng, k, n)
+  dy = jnp.asarray(rng.standard_normal((m, n)), dtype)
+  cfg = config_lib.fit(cfg, "bwd", m, k, n) if cfg else config_lib.heuristic_config("bwd", m, k, n)
+  dx = nvfp4_matmul_bwd_pallas(dy, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=cfg,
+                               interpret=True, poison=True)
+  assert dx.shape == (m, k) and dx.dtype == dtype
+  _assert_close(dx, dy, _dequant_np(q).T, dtype)
+
+
+def test_interpret_outputs_start_poisoned():
+  """The check above relies on this: an output the kernel never writes comes back NaN, not zero."""
+  from jax.experimental import pallas as pl
+
+  def writes_nothing(x_ref, o_ref):
+    del x_ref, o_ref
+
+  out = pl.pallas_call(writes_nothing, out_shape=jax.ShapeDtypeStruct((4, 4), jnp.float32),
+                       interpret=True)(jnp.ones((4, 4)))
+  assert np.isnan(np.asarray(out)).all()
+
+
+def test_public_api_batched_and_reference(request):
+  rng = _rng(request)
+  q = _random_q(rng, 64, 32)
+  x = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.bfloat16)
+  y = kernels.nvfp4_matmul(x, q, interpret=True)
+  assert y.shape == (2, 3, 32) and y.dtype == jnp.bfloat16
+  _assert_close(y.reshape(6, 32), x.reshape(6, 64), _dequant_np(q), jnp.bfloat16)
+  # The reference rounds the weight to bf16 first: agree within that rounding.
+  ref = np.asarray(kernels.nvfp4_matmul_reference(x, q).astype(jnp.float32))
+  bound = np.abs(np.asarray(x.astype(jnp.float32))) @ np.abs(_dequant_np(q))
+  assert np.all(np.abs(np.asarray(y.astype(jnp.float32)) - ref) <= 2**-7 * bound.reshape(ref.shape))
+
+
+def test_gradient_matches_reference_and_never_expands_the_weight(request):
+  rng = _rng(request)
+  m, k, n = 19, 64, 48
+  q = _random_q(rng, k, n)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  c = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+
+  def loss(x, impl):
+    y = kernels.nvfp4_matmul(x, q, implementation=impl, interpret=impl == "pallas")
+    return jnp.sum(y.astype(jnp.float32) * c)
+
+  g = jax.grad(loss)(x, "pallas")
+  g_ref = jax.grad(loss)(x, "xla")
+  w = _dequant_np(q)
+  # dL/dx = dy @ W^T, with dy = c rounded to y's dtype (the cotangent of a bf16 output is bf16).
+  _assert_close(g, c.astype(jnp.bfloat16), w.T, jnp.bfloat16)
+  bound = np.abs(np.asarray(c)) @ np.abs(w.T)
+  diff = np.abs(np.asarray(g.astype(jnp.float32)) - np.asarray(g_ref.astype(jnp.float32)))
+  assert np.all(diff <= 2**-6 * bound)
+
+  # No [K, N] or [N, K] float array anywhere in the forward+backward program: the weight stays packed.
+  jaxpr = jax.make_jaxpr(jax.grad(loss), static_argnums=1)(x, "pallas")
+  names, shapes = [], []
+
+  def walk(jx):
+    for eqn in jx.eqns:
+      names.append(eqn.params.get("name", eqn.primitive.name))
+      for v in eqn.outvars:
+        aval = v.aval
+        if hasattr(aval, "shape") and jnp.issubdtype(aval.dtype, jnp.floating):
+          shapes.append(tuple(aval.shape))
+      for sub in jax.core.jaxprs_in_params(eqn.params) if hasattr(jax.core, "jaxprs_in_params") else []:
+        walk(sub)
+      for p in eqn.params.values():
+        if isinstance(p, jax.extend.core.ClosedJaxpr):
+          walk(p.jaxpr)
+        elif isinstance(p, jax.extend.core.Jaxpr):
+          walk(p)
+
+  walk(jaxpr.jaxpr)
+  assert "nvfp4_matmul_fwd" in names and "nvfp4_matmul_bwd" in names, names
+  assert (k, n) not in shapes and (n, k) not in shapes
+
+
+def test_cpu_dispatch_falls_back_to_xla(request):
+  assert jax.devices()[0].platform == "cpu"
+  assert kernels.default_implementation(jnp.bfloat16) == "xla"
+  rng = _rng(request)
+  q = _random_q(rng, 32, 16)
+  x = jnp.asarray(rng.standard_normal((4, 32)), jnp.bfloat16)
+  y = kernels.nvfp4_matmul(x, q)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(kernels.nvfp4_matmul_reference(x, q)))
+  text = jax.jit(kernels.nvfp4_matmul).lower(x, q).as_text()
+  assert "triton" not in text and "pallas" not in text
+  with pytest.raises(ValueError, match="compute capability"):
+    kernels.nvfp4_matmul(x, q, implementation="pallas")
+
+
+def test_bad_inputs_raise_clear_errors(request):
+  rng = _rng(request)
+  q = _random_q(rng, 32, 16)
+  x = jnp.ones((4, 32), jnp.bfloat16)
+  with pytest.raises(ValueError, match="must end in K=32"):
+    kernels.nvfp4_matmul(jnp.ones((4, 48), jnp.bfloat16), q)
+  q24 = NVFP4Tensor(jnp.zeros((16, 12), jnp.uint8), jnp.zeros((16, 1), jnp.float8_e4m3fn),
+                    jnp.ones((1,), jnp.float32))
+  with pytest.raises(ValueError, match="k=24"):
+    kernels.nvfp4_matmul(jnp.ones((4, 24), jnp.bfloat16), q24)
+  with pytest.raises(ValueError, match="scale_NxKb.shape"):
+    kernels.nvfp4_matmul(x, NVFP4Tensor(q.packed_NxKh, q.scale_NxKb[:, :1], q.global_scale))
+  with pytest.raises(ValueError, match="implementation='cuda'"):
+    kernels.nvfp4_matmul(x, q, implementation="cuda")
+  with pytest.raises(NotImplementedError, match="jax-triton"):
+    kernels.nvfp4_matmul(x, q, implementation="triton")
+  with pytest.raises(ValueError, match="float32"):
+    kernels.nvfp4_matmul(x.astype(jnp.float32), q, implementation="pallas", interpret=True)
+  # float32 activations with no implementation named take the XLA path instead.
+  y32 = kernels.nvfp4_matmul(x.astype(jnp.float32), q)
+  assert y32.dtype == jnp.float32
+  with pytest.raises(ValueError, match="block_k=24"):
+    Nvfp4MatmulConfig(block_k=24)
+
+
+def test_configs_fit_every_shape():
+  """Heuristic and tuned configs yield launchable tiles (block_k divides K, split divides the steps)."""
+  shapes = [(3584, 4608), (3584, 3584), (3584, 37888), (18944, 3584), (5120, 7168), (13824, 5120),
+            (27648, 5120), (16, 16), (48, 8)]
+  for kind in (None, "NVIDIA H200"):
+    for direction in ("fwd", "bwd"):
+      for rows in (1, 8, 16, 64, 256, 2048, 8192, 5):
+        for k, n in shapes:
+          cfg = config_lib.get_config(direction, rows, k, n, kind)
+          assert k % cfg.block_k == 0
+          if direction == "fwd":
+            assert (k // cfg.block_k) % cfg.split == 0
+  # Few rows split the contraction so that ~2 programs per SM stream weights.
+  cfg = config_lib.heuristic_config("fwd", 1, 3584, 3584)
+  assert cfg.split > 1 and cfg.split * (3584 // cfg.block_n) >= 2 * 132
