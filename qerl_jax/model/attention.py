@@ -1,0 +1,76 @@
+"""RMSNorm, rotary embeddings and grouped-query attention with an optional KV cache.
+
+Numerics follow transformers' Llama/Qwen code where it matters for parity: RMSNorm and RoPE angles in
+float32, softmax in float32. A masked-out score is a large negative finite number rather than -inf, so a
+query row with nothing to attend to (left padding) gives finite garbage instead of NaN.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qerl_jax.model.config import ModelConfig, rope_inv_freq
+
+_MASKED = -0.7 * float(np.finfo(np.float32).max)
+
+
+def rms_norm(x_BxTxD: jax.Array, scale_D: jax.Array, eps: float, noise_D: jax.Array | None = None) -> jax.Array:
+  """HF RMSNorm in float32: (scale + noise) * x / sqrt(mean(x^2) + eps), cast back to x's dtype.
+
+  noise_D: the AQN addition to the scale (float32), or None. The sum is formed in float32 because a bf16
+  add of noise below ~4e-3 to scales near 1 rounds away.
+  """
+  x = x_BxTxD.astype(jnp.float32)
+  x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+  scale = scale_D.astype(jnp.float32)
+  if noise_D is not None:
+    scale = scale + noise_D.astype(jnp.float32)
+  return (x * scale).astype(x_BxTxD.dtype)
+
+
+def rope_cos_sin(config: ModelConfig, positions_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """float32 cos and sin [B, T, Dh/2] of the per-row positions (HF's attention_scaling folded in)."""
+  inv_freq, attention_scale = rope_inv_freq(config)
+  angles = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+  return jnp.cos(angles) * attention_scale, jnp.sin(angles) * attention_scale
+
+
+def apply_rope(x_BxTxNxDh: jax.Array, cos_BxTxR: jax.Array, sin_BxTxR: jax.Array) -> jax.Array:
+  """Rotates the two halves of each head (HF's rotate_half layout, not interleaved pairs)."""
+  x = x_BxTxNxDh.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  x1, x2 = x[..., :half], x[..., half:]
+  cos, sin = cos_BxTxR[:, :, None, :], sin_BxTxR[:, :, None, :]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxNxDh.dtype)
+
+
+def attention_mask(query_slots_BxT: jax.Array, num_slots: int, valid_BxS: jax.Array | None) -> jax.Array:
+  """bool [B, T, S]: query t may see slot s iff s <= its own slot and valid_BxS[b, s]."""
+  slots_S = jnp.arange(num_slots, dtype=jnp.int32)
+  mask = slots_S[None, None, :] <= query_slots_BxT[:, :, None]
+  if valid_BxS is not None:
+    if valid_BxS.shape[-1] != num_slots:
+      raise ValueError(f"valid_BxS has {valid_BxS.shape[-1]} slots, expected {num_slots}")
+    mask = mask & valid_BxS.astype(bool)[:, None, :]
+  return mask
+
+
+def attend(q_BxTxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, mask_BxTxS: jax.Array) -> jax.Array:
+  """Grouped-query attention; returns [B, T, H * Dh] in q's dtype.
+
+  The H query heads are split into Hkv groups of H / Hkv that share one k/v head (q head h uses kv head
+  h // (H / Hkv), as transformers' repeat_kv does), without materialising repeated k/v.
+  """
+  b, t, h, dh = q_BxTxHxDh.shape
+  kvh = k_BxSxKxDh.shape[2]
+  q = q_BxTxHxDh.reshape(b, t, kvh, h // kvh, dh)
+  k = k_BxSxKxDh.astype(q.dtype)
+  v = v_BxSxKxDh.astype(q.dtype)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * (dh ** -0.5)
+  scores = jnp.where(mask_BxTxS[:, None, None, :, :], scores, _MASKED)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+  return out.reshape(b, t, h * dh).astype(q_BxTxHxDh.dtype)

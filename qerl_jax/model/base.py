@@ -1,0 +1,171 @@
+"""The frozen base as a plain pytree: layout, preallocation, quantization of fused groups, random init.
+
+A base is {"embed_tokens": [V, D], "norm": f32[D], "lm_head": [V, D] (untied only), "layers": {...}} where
+"layers" holds every per-layer parameter stacked on a leading L axis:
+  input_layernorm, post_attention_layernorm: f32[L, D]; q_norm, k_norm: f32[L, Dh] (Qwen3);
+  q_proj ... down_proj: {"w": [L, K, N] array or quantized tensor with L-stacked arrays, "b": [L, N]}.
+Norm scales are kept in float32 (they are tiny, may be trained, and receive AQN noise in float32).
+
+Loaders preallocate this structure (`empty_base`) in its final device layout and write one layer at a
+time into it with `put_layer`, whose buffer argument is donated so the update happens in place: the
+full-precision model never exists anywhere, only the tensors of the layer being converted.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qerl_jax.model.config import ModelConfig
+from qerl_jax.model.linear import PROJ_NAMES
+from qerl_jax.quant import types as qtypes
+
+QUANT_SCHEMES = ("bf16", "nvfp4", "mxfp4", "nf4")
+# Projections that inference engines fuse, so NVFP4 gives them one shared global scale.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+_BLOCK = {"nvfp4": qtypes.NVFP4_BLOCK, "mxfp4": qtypes.MXFP4_BLOCK}
+
+
+def proj_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+  """Logical [K, N] of each projection (y = x @ W)."""
+  d, f = config.hidden_size, config.intermediate_size
+  return {"q_proj": (d, config.q_size), "k_proj": (d, config.kv_size), "v_proj": (d, config.kv_size),
+          "o_proj": (config.q_size, d), "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+
+
+def has_bias(config: ModelConfig, name: str) -> bool:
+  if name in ("q_proj", "k_proj", "v_proj"):
+    return config.qkv_bias
+  if name == "o_proj":
+    return config.o_bias
+  return config.mlp_bias
+
+
+def check_quant(quant: str) -> None:
+  if quant not in QUANT_SCHEMES:
+    raise ValueError(f"unknown {quant=}; expected one of {QUANT_SCHEMES}")
+
+
+def proj_scheme(quant: str, k: int, n: int) -> str | None:
+  """The scheme a [K, N] projection gets under `quant`, or None where it stays unquantized.
+
+  A layer whose K is not a multiple of the scheme's block cannot be represented (NVFP4.md) and stays in
+  the model dtype, as llm-compressor leaves it (listed in `ignore`).
+  """
+  check_quant(quant)
+  if quant == "bf16":
+    return None
+  if quant == "nf4":
+    return "nf4" if (n * k) % qtypes.NF4_BLOCK == 0 else None
+  return quant if k % _BLOCK[quant] == 0 else None
+
+
+def quantize_group(ws_KxN: list[jax.Array], scheme: str | None, dtype) -> list[Any]:
+  """Converts the weights of one fused group; NVFP4 members share the minimum global scale."""
+  if scheme is None:
+    return [jnp.asarray(w).astype(dtype) for w in ws_KxN]
+  from qerl_jax import quant  # pylint: disable=import-outside-toplevel
+  if scheme == "nvfp4" and len(ws_KxN) > 1:
+    gs = quant.shared_global_scale(ws_KxN)
+    return [quant.quantize(w, scheme, global_scale=gs) for w in ws_KxN]
+  return [quant.quantize(w, scheme) for w in ws_KxN]
+
+
+def quantize_members(ws_KxN: list[jax.Array], schemes: list[str | None], dtype) -> list[Any]:
+  """`quantize_group` when all members share a scheme, else member by member (no shared scale)."""
+  if len(set(schemes)) == 1:
+    return quantize_group(ws_KxN, schemes[0], dtype)
+  return [quantize_group([w], s, dtype)[0] for w, s in zip(ws_KxN, schemes)]
+
+
+def abstract_weight(k: int, n: int, scheme: str | None, dtype) -> Any:
+  """ShapeDtypeStruct pytree of one layer's [K, N] weight under `scheme`."""
+  spec = jax.ShapeDtypeStruct((k, n), dtype)
+  if scheme is None:
+    return spec
+  from qerl_jax import quant  # pylint: disable=import-outside-toplevel
+  return jax.eval_shape(functools.partial(quant.quantize, scheme=scheme), spec)
+
+
+def _stack_zeros(abstract: Any, num_layers: int) -> Any:
+  return jax.tree.map(lambda s: jnp.zeros((num_layers,) + tuple(s.shape), s.dtype), abstract)
+
+
+def empty_base(config: ModelConfig, schemes: dict[str, str | None], *, dtype=None) -> dict[str, Any]:
+  """A zero-filled base in its final layout; `schemes` maps each projection to its scheme or None.
+
+  `dtype` is the dtype of unquantized weights and embeddings (default config.dtype).
+  """
+  dtype = jnp.dtype(dtype or config.dtype)
+  num_layers = config.num_layers
+  layers: dict[str, Any] = {
+    "input_layernorm": jnp.zeros((num_layers, config.hidden_size), jnp.float32),
+    "post_attention_layernorm": jnp.zeros((num_layers, config.hidden_size), jnp.float32),
+  }
+  if config.qk_norm:
+    layers["q_norm"] = jnp.zeros((num_layers, config.head_dim), jnp.float32)
+    layers["k_norm"] = jnp.zeros((num_layers, config.head_dim), jnp.float32)
+  for name, (k, n) in proj_shapes(config).items():
+    p = {"w": _stack_zeros(abstract_weight(k, n, schemes[name], dtype), num_layers)}
+    if has_bias(config, name):
+      p["b"] = jnp.zeros((num_layers, n), dtype)
+    layers[name] = p
+  base = {"embed_tokens": jnp.zeros((config.vocab_size, config.hidden_size), dtype),
+          "norm": jnp.zeros((config.hidden_size,), jnp.float32), "layers": layers}
+  if not config.tie_word_embeddings:
+    base["lm_head"] = jnp.zeros((config.vocab_size, config.hidden_size), dtype)
+  return base
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def put_layer(stacked: Any, layer: jax.Array, value: Any) -> Any:
+  """Writes one layer's pytree `value` into the L-stacked `stacked` at index `layer`, in place (donated)."""
+  return jax.tree.map(
+    lambda s, v: jax.lax.dynamic_update_index_in_dim(s, jnp.asarray(v).astype(s.dtype), layer, 0),
+    stacked, value)
+
+
+def schemes_for(config: ModelConfig, quant: str) -> dict[str, str | None]:
+  return {name: proj_scheme(quant, k, n) for name, (k, n) in proj_shapes(config).items()}
+
+
+def random_base(config: ModelConfig, key: jax.Array, quant: str = "bf16", *, std: float = 0.02,
+                dtype=None) -> dict[str, Any]:
+  """A random base (normal weights of `std`, norm scales near 1, small biases), quantized per `quant`.
+
+  For tests and synthetic benchmarks; layers are drawn and quantized one at a time like a loader does.
+  """
+  dtype = jnp.dtype(dtype or config.dtype)
+  schemes = schemes_for(config, quant)
+  base = empty_base(config, schemes, dtype=dtype)
+  shapes = proj_shapes(config)
+  keys = iter(jax.random.split(key, 8 + config.num_layers * 16))
+  layers = base["layers"]
+  for name in ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"):
+    if name in layers:
+      shape = layers[name].shape
+      layers[name] = 1.0 + 0.1 * jax.random.normal(next(keys), shape, jnp.float32)
+  for layer in range(config.num_layers):
+    for group in FUSED_GROUPS:
+      ws = [(std * jax.random.normal(next(keys), shapes[name], jnp.float32)).astype(dtype) for name in group]
+      qs = quantize_members(ws, [schemes[name] for name in group], dtype)
+      for name, q in zip(group, qs):
+        layers[name]["w"] = put_layer(layers[name]["w"], jnp.int32(layer), q)
+  for name in PROJ_NAMES:
+    if "b" in layers[name]:
+      shape = layers[name]["b"].shape
+      layers[name]["b"] = (0.1 * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+  vd = (config.vocab_size, config.hidden_size)
+  base["embed_tokens"] = jax.random.normal(next(keys), vd, jnp.float32).astype(dtype)
+  base["norm"] = 1.0 + 0.1 * jax.random.normal(next(keys), (config.hidden_size,), jnp.float32)
+  if "lm_head" in base:
+    base["lm_head"] = (std * jax.random.normal(next(keys), vd, jnp.float32)).astype(dtype)
+  return base
+
+
+def as_numpy(x: Any) -> np.ndarray:
+  return np.asarray(jax.device_get(x))

@@ -1,0 +1,318 @@
+"""Model configuration: one frozen dataclass for the Llama / Qwen2 / Qwen3 decoder family.
+
+The three architectures share one code path; what differs is data here:
+  llama  (incl. SmolLM2): optional `attention_bias` on q/k/v/o, optional `mlp_bias`.
+  qwen2  (and Qwen2.5):   bias on q/k/v (always, as transformers hard-codes it), none on o.
+  qwen3:                  RMSNorm on each q and k head before RoPE, `attention_bias` (normally False).
+
+`ModelConfig.from_hf` reads a transformers config (a dict, a config object or a config.json path) in
+both the 4.x layout (`rope_theta` + `rope_scaling`) and the 5.x layout (`rope_parameters`);
+`ModelConfig.from_gguf_metadata` reads llama.cpp metadata. The dataclass is hashable, so it rides in
+an NNX graphdef as static data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Model types that are the Llama graph under another name.
+_ARCH_ALIASES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shape and numerics of a decoder; hashable (static under jit)."""
+
+  arch: str  # one of SUPPORTED_ARCHS
+  vocab_size: int
+  hidden_size: int  # D
+  intermediate_size: int  # F, the MLP width
+  num_layers: int  # L
+  num_heads: int  # H, query heads
+  num_kv_heads: int  # Hkv (GQA: H % Hkv == 0)
+  head_dim: int  # Dh
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 10000.0
+  # Frozen (key, value) pairs of the HF rope scaling dict minus rope_theta, or () for plain RoPE.
+  rope_scaling: tuple[tuple[str, Any], ...] = ()
+  max_position_embeddings: int = 32768
+  tie_word_embeddings: bool = False
+  qkv_bias: bool = False
+  o_bias: bool = False
+  mlp_bias: bool = False
+  qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+  # Runtime choices (not architecture): activation / bf16-weight dtype, rematerialisation per layer.
+  dtype: Any = jnp.bfloat16
+  remat: bool = False  # jax.checkpoint around each scanned layer (training memory)
+  remat_policy: str = "nothing_saveable"  # a name in jax.checkpoint_policies
+  bos_token_id: int | None = None
+  eos_token_ids: tuple[int, ...] = ()
+  pad_token_id: int | None = None
+  # The source HF config as JSON (minus quantization_config), for export; "" when built from GGUF.
+  hf_config_json: str = ""
+
+  def __post_init__(self):
+    # A numpy dtype compares and hashes consistently whether given as jnp.bfloat16, "bfloat16", ...
+    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+    if self.arch not in SUPPORTED_ARCHS:
+      raise ValueError(f"unsupported architecture {self.arch=}; supported: {SUPPORTED_ARCHS}")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+    rope_type = self.rope_scaling_dict.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+      raise ValueError(f"unsupported {rope_type=}; supported: {SUPPORTED_ROPE_TYPES}")
+
+  @property
+  def rope_scaling_dict(self) -> dict[str, Any]:
+    return dict(self.rope_scaling)
+
+  @property
+  def q_size(self) -> int:
+    return self.num_heads * self.head_dim
+
+  @property
+  def kv_size(self) -> int:
+    return self.num_kv_heads * self.head_dim
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+  @classmethod
+  def from_hf(cls, hf: Any, **overrides) -> "ModelConfig":
+    """Builds a config from a transformers config object, its dict, or a config.json / model dir path.
+
+    `overrides` set runtime fields (dtype, remat, ...). Unknown model types raise ValueError.
+    """
+    d = _as_dict(hf)
+    model_type = d.get("model_type")
+    if model_type not in _ARCH_ALIASES:
+      raise ValueError(f"unsupported architecture {model_type=} (architectures={d.get('architectures')}); "
+                       f"supported: {SUPPORTED_ARCHS}")
+    arch = _ARCH_ALIASES[model_type]
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+      raise ValueError(f"unsupported hidden_act={act!r}; only 'silu' (SwiGLU) is implemented")
+    if d.get("use_sliding_window"):
+      raise ValueError("use_sliding_window=True is not supported (full attention only)")
+    hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+    head_dim = d.get("head_dim") or hidden // heads
+    theta, scaling = _rope_from_hf(d)
+    attention_bias = bool(d.get("attention_bias", False))
+    kw = dict(
+      arch=arch,
+      vocab_size=int(d["vocab_size"]),
+      hidden_size=hidden,
+      intermediate_size=int(d["intermediate_size"]),
+      num_layers=int(d["num_hidden_layers"]),
+      num_heads=heads,
+      num_kv_heads=int(d.get("num_key_value_heads") or heads),
+      head_dim=int(head_dim),
+      rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+      rope_theta=theta,
+      rope_scaling=scaling,
+      max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+      tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+      qkv_bias=True if arch == "qwen2" else attention_bias,
+      o_bias=attention_bias if arch in ("llama", "qwen3") else False,
+      mlp_bias=bool(d.get("mlp_bias", False)) if arch == "llama" else False,
+      qk_norm=arch == "qwen3",
+      bos_token_id=d.get("bos_token_id"),
+      eos_token_ids=_int_tuple(d.get("eos_token_id")),
+      pad_token_id=d.get("pad_token_id"),
+      hf_config_json=json.dumps({k: v for k, v in d.items() if k != "quantization_config"}, sort_keys=True,
+                                default=str),
+    )
+    kw.update(overrides)
+    return cls(**kw)
+
+  @classmethod
+  def from_gguf_metadata(cls, meta: dict[str, Any], *, tied: bool, **overrides) -> "ModelConfig":
+    """Builds a config from llama.cpp GGUF metadata (`{arch}.block_count`, ...).
+
+    `tied`: whether the file lacks `output.weight` (the lm_head then reuses the embedding).
+    """
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+      raise ValueError(f"unsupported GGUF architecture {arch=}; supported: {SUPPORTED_ARCHS}")
+
+    def get(key, default=None):
+      value = meta.get(f"{arch}.{key}", default)
+      if value is None:
+        raise ValueError(f"GGUF metadata lacks '{arch}.{key}'")
+      return value
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
+                   or hidden // heads)
+    vocab = meta.get(f"{arch}.vocab_size") or meta.get("tokenizer.ggml.tokens.count") or 0
+    scaling: dict[str, Any] = {}
+    stype = meta.get(f"{arch}.rope.scaling.type")
+    if stype and stype != "none":
+      scaling = {"rope_type": stype, "factor": float(get("rope.scaling.factor"))}
+      if meta.get(f"{arch}.rope.scaling.original_context_length"):
+        scaling["original_max_position_embeddings"] = int(meta[f"{arch}.rope.scaling.original_context_length"])
+    kw = dict(
+      arch=arch,
+      vocab_size=int(vocab),
+      hidden_size=hidden,
+      intermediate_size=int(get("feed_forward_length")),
+      num_layers=int(get("block_count")),
+      num_heads=heads,
+      num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
+      head_dim=head_dim,
+      rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+      rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+      rope_scaling=tuple(sorted(scaling.items())),
+      max_position_embeddings=int(get("context_length", 32768)),
+      tie_word_embeddings=tied,
+      qkv_bias=arch == "qwen2",
+      qk_norm=arch == "qwen3",
+      bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+      eos_token_ids=_int_tuple(meta.get("tokenizer.ggml.eos_token_id")),
+      pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+    )
+    kw.update(overrides)
+    return cls(**kw)
+
+  def to_hf_dict(self) -> dict[str, Any]:
+    """The transformers config.json dict of this model (the source's own when it came from HF)."""
+    if self.hf_config_json:
+      d = json.loads(self.hf_config_json)
+    else:
+      d = {"model_type": self.arch, "hidden_act": "silu", "initializer_range": 0.02, "use_cache": True}
+      d["architectures"] = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                             "qwen3": "Qwen3ForCausalLM"}[self.arch]]
+    rope = {"rope_type": "default", **self.rope_scaling_dict, "rope_theta": self.rope_theta}
+    d.update(
+      vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+      num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+      num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+      max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=self.tie_word_embeddings,
+      rope_theta=self.rope_theta)
+    if "rope_parameters" in d or not self.hf_config_json:
+      d["rope_parameters"] = rope
+    if self.rope_scaling:
+      d["rope_scaling"] = rope
+    if self.arch in ("llama", "qwen3"):
+      d["attention_bias"] = self.qkv_bias
+    if self.arch == "llama":
+      d["mlp_bias"] = self.mlp_bias
+    for key, value in (("bos_token_id", self.bos_token_id), ("pad_token_id", self.pad_token_id)):
+      if value is not None:
+        d[key] = value
+    if self.eos_token_ids:
+      d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+    return d
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[np.ndarray, float]:
+  """float32 inverse frequencies [Dh/2] of RoPE and the cos/sin multiplier (HF's attention_scaling)."""
+  dim, base = config.head_dim, config.rope_theta
+  inv = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float64) / dim))
+  s = config.rope_scaling_dict
+  rope_type = s.get("rope_type", "default")
+  scale = 1.0
+  if rope_type == "linear":
+    inv = inv / float(s["factor"])
+  elif rope_type == "llama3":
+    factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_ctx = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old_ctx / lo, inv / factor, inv)
+    smooth = (old_ctx / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+    inv = np.where(medium, blended, scaled)
+  elif rope_type == "yarn":
+    inv, scale = _yarn(config, inv, s)
+  return inv.astype(np.float32), float(scale)
+
+
+def _yarn(config: ModelConfig, inv: np.ndarray, s: dict[str, Any]) -> tuple[np.ndarray, float]:
+  # YaRN (arXiv 2309.00071): keep high frequencies, interpolate low ones, blend with a linear ramp
+  # between the dimensions that make beta_fast and beta_slow full rotations over the original context.
+  dim, base = config.head_dim, config.rope_theta
+  orig = float(s.get("original_max_position_embeddings") or config.max_position_embeddings)
+  factor = s.get("factor") or config.max_position_embeddings / orig
+  factor = float(factor)
+
+  def mscale(scale, m=1.0):
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+  attention = s.get("attention_factor")
+  if attention is None:
+    if s.get("mscale") and s.get("mscale_all_dim"):
+      attention = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
+    else:
+      attention = mscale(factor)
+  fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+  def corr_dim(rotations):
+    return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+  lo, hi = corr_dim(fast), corr_dim(slow)
+  if s.get("truncate", True):
+    lo, hi = math.floor(lo), math.ceil(hi)
+  lo, hi = max(lo, 0), min(hi, dim - 1)
+  if lo == hi:
+    hi += 0.001
+  ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - lo) / (hi - lo), 0, 1)
+  keep = 1 - ramp
+  inv = (inv / factor) * (1 - keep) + inv * keep
+  return inv, float(attention)
+
+
+def _rope_from_hf(d: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...]]:
+  params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+  if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+    raise ValueError(f"per-layer-type rope_parameters are not supported: {sorted(params)}")
+  params = dict(params)
+  theta = float(params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
+  if "type" in params and "rope_type" not in params:
+    params["rope_type"] = params.pop("type")
+  params.pop("type", None)
+  if params.get("rope_type", "default") == "default":
+    return theta, ()
+  if params["rope_type"] in ("yarn", "llama3") and not params.get("original_max_position_embeddings"):
+    params["original_max_position_embeddings"] = int(d.get("max_position_embeddings", 32768))
+  return theta, tuple(sorted((k, v) for k, v in params.items() if v is not None))
+
+
+def _as_dict(hf: Any) -> dict[str, Any]:
+  if isinstance(hf, dict):
+    return dict(hf)
+  if isinstance(hf, (str, os.PathLike)):
+    path = os.fspath(hf)
+    if os.path.isdir(path):
+      path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"no config.json at {path}")
+    with open(path) as f:
+      return json.load(f)
+  if hasattr(hf, "to_dict"):
+    return hf.to_dict()
+  raise TypeError(f"cannot read a model config from {type(hf).__name__}")
+
+
+def _int_tuple(value: Any) -> tuple[int, ...]:
+  if value is None:
+    return ()
+  if isinstance(value, (list, tuple)):
+    return tuple(int(v) for v in value)
+  return (int(value),)

@@ -1,0 +1,182 @@
+"""Linear layers over a frozen (possibly quantized) base with an unmerged LoRA adapter.
+
+y = base_matmul(x, W) + b + (x @ A) @ B * scale, with W [K, N] frozen (bf16/fp32 array or a quantized
+tensor from `qerl_jax.quant`), A [K, r] and B [r, N] trainable (`nnx.LoRAParam`), scale = alpha / r
+(alpha / sqrt(r) with rsLoRA). A is initialised like PEFT (kaiming-uniform, bound 1/sqrt(K)), B is zero, so
+a fresh adapter leaves the model unchanged.
+
+Every base matmul in the model goes through `base_matmul`: the fused-kernel work replaces what it calls for
+NVFP4, and nothing else in the model needs to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qerl_jax.quant import types as qtypes
+
+# The seven decoder-block projections, by their Hugging Face module path inside a block.
+PROJ_PATHS = {
+  "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+  "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+  "down_proj": "mlp.down_proj",
+}
+PROJ_NAMES = tuple(PROJ_PATHS)
+
+
+class Frozen(nnx.Variable):
+  """A frozen base parameter (weights, biases, embeddings, frozen norms): never differentiated.
+
+  `split_params` separates these from `nnx.Param` (LoRA A/B, trainable norms), so a jitted train step
+  takes the frozen state as a plain non-differentiated argument and never copies it.
+  """
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """LoRA adapter settings (PEFT semantics)."""
+
+  rank: int = 16  # r
+  alpha: float = 16.0  # scale = alpha / r (alpha / sqrt(r) with use_rslora)
+  targets: tuple[str, ...] = PROJ_NAMES  # projection names, resolved by `resolve_targets`
+  dtype: Any = jnp.float32  # parameter dtype of A and B (float32 or bfloat16)
+  use_rslora: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.rank, int) or self.rank <= 0:
+      raise ValueError(f"lora rank={self.rank!r} must be a positive int")
+    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+    object.__setattr__(self, "targets", resolve_targets(self.targets))
+
+  @property
+  def scale(self) -> float:
+    return float(self.alpha) / (self.rank ** 0.5 if self.use_rslora else self.rank)
+
+
+def resolve_targets(spec: str | Sequence[str]) -> tuple[str, ...]:
+  """Projection names selected by a LoRA target spec, in canonical order.
+
+  spec: "all-linear" / "all"; a regex searched in each projection's path ("self_attn.q_proj", so "q_proj",
+  "attn" or "q_proj|v_proj" work); or a sequence of names/regexes, each of which must match something.
+  A spec that matches no projection raises ValueError.
+  """
+  if isinstance(spec, str):
+    if spec in ("all-linear", "all"):
+      return PROJ_NAMES
+    patterns = [spec]
+  else:
+    patterns = list(spec)
+    if not patterns:
+      raise ValueError("lora targets must not be empty")
+  chosen = set()
+  for pattern in patterns:
+    try:
+      rx = re.compile(pattern)
+    except re.error as e:
+      raise ValueError(f"invalid lora target regex {pattern!r}: {e}") from None
+    hits = {name for name, path in PROJ_PATHS.items() if name == pattern or rx.search(path)}
+    if not hits:
+      raise ValueError(f"lora target {pattern!r} matches none of the projections {PROJ_NAMES}")
+    chosen |= hits
+  return tuple(name for name in PROJ_NAMES if name in chosen)
+
+
+@functools.cache
+def _nvfp4_kernel():
+  """`kernels.nvfp4_matmul` once the kernels package exports it, else None (XLA reference path)."""
+  try:
+    from kernels import nvfp4_matmul  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  return nvfp4_matmul
+
+
+def base_matmul(x_BxTxK: jax.Array, w: Any) -> jax.Array:
+  """x @ W for a frozen base weight of logical shape [K, N]; x may have any leading dims.
+
+  w: a float array [K, N] (cast to x's dtype), or a quantized tensor: NVFP4 goes to the fused kernel when
+  available, other schemes are dequantized to x's dtype and multiplied. Accumulation is float32.
+  """
+  if isinstance(w, qtypes.NVFP4Tensor):
+    kernel = _nvfp4_kernel()
+    if kernel is not None:
+      return kernel(x_BxTxK, w)
+  if qtypes.is_quantized(w):
+    from qerl_jax.quant import dequantize  # pylint: disable=import-outside-toplevel
+    w = dequantize(w, x_BxTxK.dtype)
+  w_KxN = w.astype(x_BxTxK.dtype)
+  if x_BxTxK.shape[-1] != w_KxN.shape[0]:
+    raise ValueError(f"x last dim {x_BxTxK.shape[-1]} != weight K {w_KxN.shape[0]} (w is [K, N]={w_KxN.shape})")
+  y = jnp.einsum("...k,kn->...n", x_BxTxK, w_KxN, preferred_element_type=jnp.float32)
+  return y.astype(x_BxTxK.dtype)
+
+
+def lora_delta(x_BxTxK: jax.Array, a_KxR: jax.Array, b_RxN: jax.Array, scale: float) -> jax.Array:
+  """scale * (x @ A) @ B, computed in the adapter's dtype as PEFT does, returned in x's dtype."""
+  xa = jnp.einsum("...k,kr->...r", x_BxTxK.astype(a_KxR.dtype), a_KxR, preferred_element_type=jnp.float32)
+  y = jnp.einsum("...r,rn->...n", xa.astype(b_RxN.dtype), b_RxN, preferred_element_type=jnp.float32)
+  return (y * scale).astype(x_BxTxK.dtype)
+
+
+def linear(x_BxTxK: jax.Array, p: dict[str, Any], lora_scale: float) -> jax.Array:
+  """One projection from its parameter dict {"w", optional "b", optional "lora_a"/"lora_b"}."""
+  y = base_matmul(x_BxTxK, p["w"])
+  if p.get("b") is not None:
+    y = y + p["b"].astype(y.dtype)
+  if p.get("lora_a") is not None:
+    y = y + lora_delta(x_BxTxK, p["lora_a"], p["lora_b"], lora_scale)
+  return y
+
+
+def init_lora(key: jax.Array, num_layers: int, k: int, n: int, cfg: LoraConfig) -> tuple[jax.Array, jax.Array]:
+  """Stacked PEFT-style initial adapter: A [L, K, r] ~ U(-1/sqrt(K), 1/sqrt(K)), B [L, r, N] = 0.
+
+  PEFT's kaiming_uniform_(a=sqrt(5)) on lora_A.weight [r, K] has bound sqrt(6 / ((1 + 5) K)) = 1/sqrt(K).
+  """
+  bound = 1.0 / (k ** 0.5)
+  a = jax.random.uniform(key, (num_layers, k, cfg.rank), jnp.float32, -bound, bound).astype(cfg.dtype)
+  b = jnp.zeros((num_layers, cfg.rank, n), cfg.dtype)
+  return a, b
+
+
+class Projection(nnx.Module):
+  """Stacked parameters of one projection kind across all layers.
+
+  weight: Frozen, [L, K, N] array or a quantized tensor whose arrays carry a leading L axis.
+  bias: Frozen [L, N] or None. lora_a: LoRAParam [L, K, r] or None. lora_b: LoRAParam [L, r, N] or None.
+  """
+
+  def __init__(self, weight: Any, bias: jax.Array | None = None, lora: tuple[jax.Array, jax.Array] | None = None):
+    self.weight = Frozen(weight)
+    self.bias = Frozen(bias) if bias is not None else None
+    self.lora_a = nnx.LoRAParam(lora[0]) if lora is not None else None
+    self.lora_b = nnx.LoRAParam(lora[1]) if lora is not None else None
+
+  def set_lora(self, lora: tuple[jax.Array, jax.Array] | None) -> None:
+    self.lora_a = nnx.LoRAParam(lora[0]) if lora is not None else None
+    self.lora_b = nnx.LoRAParam(lora[1]) if lora is not None else None
+
+  def params(self) -> dict[str, Any]:
+    """The pure pytree the layer function consumes."""
+    p = {"w": self.weight.get_value()}
+    if self.bias is not None:
+      p["b"] = self.bias.get_value()
+    if self.lora_a is not None:
+      p["lora_a"] = self.lora_a.get_value()
+      p["lora_b"] = self.lora_b.get_value()
+    return p
+
+
+def logical_shape(w: Any) -> tuple[int, int]:
+  """[K, N] of one layer's weight, for a stacked [L, K, N] array or a stacked quantized tensor."""
+  if qtypes.is_quantized(w):
+    return tuple(w.shape)
+  return tuple(w.shape[-2:])

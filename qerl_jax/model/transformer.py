@@ -1,0 +1,251 @@
+"""The decoder: an NNX module over stacked layer parameters, run as a `lax.scan` of one pure layer function.
+
+Forward (rollouts and training):
+
+    model(tokens_BxT, positions_BxT=None, *, cache=None, cache_index=None, valid_BxS=None,
+          norm_noise=None, return_hidden=False)
+
+  - no cache: causal attention over the T tokens (and valid_BxS[b, s] with S = T when given, for padded
+    rows); returns logits_BxTxV (float32) or, with return_hidden, the final-normed h_BxTxD.
+  - cache (from `init_cache`, k/v [L, B, S, Hkv, Dh]): the T new tokens are written at slots
+    [cache_index, cache_index + T) of every row; query t (slot cache_index + t) sees slot s iff
+    s <= cache_index + t and valid_BxS[b, s] (valid_BxS must be True on the new tokens' slots). Returns
+    (logits_or_hidden, new_cache).
+  - positions_BxT: RoPE positions per row (default: slot indices), so left-padded rows start at 0.
+  - norm_noise (AQN): {"input_layernorm": f32[L, D], "post_attention_layernorm": f32[L, D],
+    "q_norm": f32[L, Dh], "k_norm": f32[L, Dh]}, any subset; added to those RMSNorm scales in float32 for
+    this call only.
+  - `model.lm_head_logits(h_...xD)` (or the pure `lm_head_logits(h, w_VxD)`) maps hidden states to float32
+    logits, so a trainer can work in vocabulary chunks on `model.lm_head_weight()` ([V, D], HF layout).
+
+Trainable vs frozen: LoRA A/B are `nnx.LoRAParam`, trainable norm scales `nnx.Param`, everything else
+`Frozen`. `split_params(model) -> (graphdef, trainable, frozen)`; `nnx.merge(graphdef, trainable, frozen)`
+rebuilds the model inside a jitted step that differentiates only `trainable`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qerl_jax.model import attention as attn
+from qerl_jax.model.config import ModelConfig
+from qerl_jax.model.linear import PROJ_NAMES, Frozen, LoraConfig, Projection, init_lora, linear, logical_shape
+
+NOISE_KEYS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
+# RMSNorm scales that `train_norms=True` makes trainable: the block norms, as the QeRL authors train.
+TRAINABLE_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> dict[str, jax.Array]:
+  """An empty KV cache: {"k", "v"} of [L, B, max_len, Hkv, Dh] in `dtype` (default config.dtype)."""
+  shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+  dtype = jnp.dtype(dtype or config.dtype)
+  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def lm_head_logits(h_xD: jax.Array, w_VxD: jax.Array) -> jax.Array:
+  """float32 logits [..., V] of final-normed hidden states against an output matrix [V, D]."""
+  return jnp.einsum("...d,vd->...v", h_xD, w_VxD.astype(h_xD.dtype), preferred_element_type=jnp.float32)
+
+
+def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, mask_BxTxS, kv, layer,
+           cache_index):
+  """One decoder block. kv: None (no cache) or the full (k, v) caches [L, B, S, Hkv, Dh] to update."""
+  b, t, _ = x_BxTxD.shape
+  eps = config.rms_norm_eps
+  h = attn.rms_norm(x_BxTxD, p["input_layernorm"], eps, noise.get("input_layernorm"))
+  q = linear(h, p["q_proj"], lora_scale).reshape(b, t, config.num_heads, config.head_dim)
+  k = linear(h, p["k_proj"], lora_scale).reshape(b, t, config.num_kv_heads, config.head_dim)
+  v = linear(h, p["v_proj"], lora_scale).reshape(b, t, config.num_kv_heads, config.head_dim)
+  if config.qk_norm:
+    q = attn.rms_norm(q, p["q_norm"], eps, noise.get("q_norm"))
+    k = attn.rms_norm(k, p["k_norm"], eps, noise.get("k_norm"))
+  q, k = attn.apply_rope(q, cos, sin), attn.apply_rope(k, cos, sin)
+  if kv is None:
+    k_all, v_all = k, v
+  else:
+    k_cache, v_cache = kv
+    start = (layer, 0, cache_index, 0, 0)
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k[None].astype(k_cache.dtype), start)
+    v_cache = jax.lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), start)
+    k_all = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
+    v_all = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
+    kv = (k_cache, v_cache)
+  o = attn.attend(q, k_all, v_all, mask_BxTxS)
+  x_BxTxD = x_BxTxD + linear(o, p["o_proj"], lora_scale)
+  h = attn.rms_norm(x_BxTxD, p["post_attention_layernorm"], eps, noise.get("post_attention_layernorm"))
+  g = linear(h, p["gate_proj"], lora_scale).astype(jnp.float32)
+  u = linear(h, p["up_proj"], lora_scale).astype(jnp.float32)
+  m = (jax.nn.silu(g) * u).astype(x_BxTxD.dtype)
+  x_BxTxD = x_BxTxD + linear(m, p["down_proj"], lora_scale)
+  return x_BxTxD, kv
+
+
+def _check_noise(config: ModelConfig, norm_noise: dict[str, jax.Array] | None) -> dict[str, jax.Array]:
+  if not norm_noise:
+    return {}
+  dims = {"input_layernorm": config.hidden_size, "post_attention_layernorm": config.hidden_size,
+          "q_norm": config.head_dim, "k_norm": config.head_dim}
+  out = {}
+  for key, value in norm_noise.items():
+    if key not in dims or (key in ("q_norm", "k_norm") and not config.qk_norm):
+      raise ValueError(f"norm_noise key {key!r} is not a norm of this {config.arch} model")
+    if value is None:
+      continue
+    if tuple(value.shape) != (config.num_layers, dims[key]):
+      raise ValueError(f"norm_noise[{key!r}] has shape {tuple(value.shape)}, expected "
+                       f"{(config.num_layers, dims[key])}")
+    out[key] = value.astype(jnp.float32)
+  return out
+
+
+def forward(params: dict[str, Any], config: ModelConfig, lora_scale: float, tokens_BxT: jax.Array,
+            positions_BxT: jax.Array | None = None, *, cache: dict[str, jax.Array] | None = None,
+            cache_index: Any = None, valid_BxS: jax.Array | None = None,
+            norm_noise: dict[str, jax.Array] | None = None, return_hidden: bool = False):
+  """The pure forward over a params pytree (see the module docstring for the arguments)."""
+  if tokens_BxT.ndim != 2:
+    raise ValueError(f"tokens must be [B, T], got shape {tokens_BxT.shape}")
+  b, t = tokens_BxT.shape
+  noise = _check_noise(config, norm_noise)
+  if cache is None:
+    if cache_index is not None:
+      raise ValueError("cache_index given without a cache")
+    slots_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    num_slots = t
+  else:
+    cache_index = jnp.asarray(0 if cache_index is None else cache_index, jnp.int32)
+    num_slots = cache["k"].shape[2]
+    if cache["k"].shape[1] != b:
+      raise ValueError(f"cache batch {cache['k'].shape[1]} != tokens batch {b}")
+    slots_BxT = jnp.broadcast_to(cache_index + jnp.arange(t, dtype=jnp.int32), (b, t))
+  positions_BxT = slots_BxT if positions_BxT is None else positions_BxT
+  mask_BxTxS = attn.attention_mask(slots_BxT, num_slots, valid_BxS)
+  cos, sin = attn.rope_cos_sin(config, positions_BxT)
+  x = jnp.take(params["embed_tokens"], tokens_BxT, axis=0).astype(config.dtype)
+
+  def body(carry, xs):
+    x, kv = carry
+    p, layer_noise, layer = xs
+    x, kv = _layer(config, lora_scale, x, p, layer_noise, cos, sin, mask_BxTxS, kv, layer, cache_index)
+    return (x, kv), None
+
+  if config.remat:
+    body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, config.remat_policy))
+  kv = None if cache is None else (cache["k"], cache["v"])
+  xs = (params["layers"], noise, jnp.arange(config.num_layers, dtype=jnp.int32))
+  (x, kv), _ = jax.lax.scan(body, (x, kv), xs)
+  h = attn.rms_norm(x, params["norm"], config.rms_norm_eps)
+  out = h if return_hidden else lm_head_logits(h, _lm_head(params))
+  if cache is None:
+    return out
+  return out, {"k": kv[0], "v": kv[1]}
+
+
+def _lm_head(params: dict[str, Any]) -> jax.Array:
+  return params["lm_head"] if params.get("lm_head") is not None else params["embed_tokens"]
+
+
+class Block(nnx.Module):
+  """All decoder blocks' parameters, stacked on a leading L axis (HF names per block)."""
+
+  def __init__(self, layers: dict[str, Any], lora: LoraConfig | None, train_norms: bool, key: jax.Array):
+    for name in ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"):
+      if name in layers:
+        kind = nnx.Param if (train_norms and name in TRAINABLE_NORMS) else Frozen
+        setattr(self, name, kind(layers[name]))
+      else:
+        setattr(self, name, None)
+    keys = jax.random.split(key, len(PROJ_NAMES))
+    for name, k in zip(PROJ_NAMES, keys):
+      w = layers[name]["w"]
+      adapter = None
+      if lora is not None and name in lora.targets:
+        kk, nn = logical_shape(w)
+        adapter = init_lora(k, _num_layers(w), kk, nn, lora)
+      setattr(self, name, Projection(w, layers[name].get("b"), adapter))
+
+  def params(self) -> dict[str, Any]:
+    p = {name: getattr(self, name).params() for name in PROJ_NAMES}
+    for name in ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"):
+      if getattr(self, name) is not None:
+        p[name] = getattr(self, name).get_value()
+    return p
+
+
+def _num_layers(w: Any) -> int:
+  return jax.tree.leaves(w)[0].shape[0]
+
+
+class Transformer(nnx.Module):
+  """Llama / Qwen2 / Qwen3 decoder with LoRA over a frozen, possibly quantized base.
+
+  Build it from a base pytree (see `qerl_jax.model.base`): `Transformer(config, base, lora=LoraConfig(...),
+  train_norms=False, rngs=nnx.Rngs(0))`; `qerl_jax.model.loading.from_pretrained` does this from files.
+  """
+
+  def __init__(self, config: ModelConfig, base: dict[str, Any], *, lora: LoraConfig | None = None,
+               train_norms: bool = False, rngs: nnx.Rngs | None = None):
+    self.config = config
+    self.lora = lora
+    self.train_norms = train_norms
+    key = (rngs or nnx.Rngs(0)).params()
+    self.embed_tokens = Frozen(base["embed_tokens"])
+    self.layers = Block(base["layers"], lora, train_norms, key)
+    self.norm = Frozen(base["norm"])
+    self.lm_head = Frozen(base["lm_head"]) if base.get("lm_head") is not None else None
+
+  @property
+  def lora_scale(self) -> float:
+    return self.lora.scale if self.lora is not None else 0.0
+
+  def params(self) -> dict[str, Any]:
+    """The pure pytree `forward` consumes (views of the variables, no copies)."""
+    p = {"embed_tokens": self.embed_tokens.get_value(), "layers": self.layers.params(),
+         "norm": self.norm.get_value()}
+    if self.lm_head is not None:
+      p["lm_head"] = self.lm_head.get_value()
+    return p
+
+  def __call__(self, tokens_BxT, positions_BxT=None, *, cache=None, cache_index=None, valid_BxS=None,
+               norm_noise=None, return_hidden=False):
+    return forward(self.params(), self.config, self.lora_scale, tokens_BxT, positions_BxT, cache=cache,
+                   cache_index=cache_index, valid_BxS=valid_BxS, norm_noise=norm_noise,
+                   return_hidden=return_hidden)
+
+  def lm_head_weight(self) -> jax.Array:
+    """The output matrix [V, D] (the embedding when tied)."""
+    return (self.lm_head if self.lm_head is not None else self.embed_tokens).get_value()
+
+  def lm_head_logits(self, h_xD: jax.Array) -> jax.Array:
+    """float32 logits [..., V] of final-normed hidden states [..., D]."""
+    return lm_head_logits(h_xD, self.lm_head_weight())
+
+  def set_lora(self, lora: LoraConfig | None, *, key: jax.Array | None = None,
+               adapters: dict[str, tuple[jax.Array, jax.Array]] | None = None) -> None:
+    """Replaces the adapters: fresh PEFT-style init from `key`, or the given {name: (A [L,K,r], B [L,r,N])}."""
+    self.lora = lora
+    keys = jax.random.split(key if key is not None else jax.random.key(0), len(PROJ_NAMES))
+    for name, k in zip(PROJ_NAMES, keys):
+      proj = getattr(self.layers, name)
+      if lora is None or name not in lora.targets:
+        proj.set_lora(None)
+        continue
+      if adapters is not None:
+        proj.set_lora(adapters[name])
+      else:
+        kk, nn = logical_shape(proj.weight.get_value())
+        proj.set_lora(init_lora(k, self.config.num_layers, kk, nn, lora))
+
+
+def split_params(model: Transformer):
+  """(graphdef, trainable_state, frozen_state): LoRA A/B and trainable norms vs the frozen base.
+
+  Differentiate a loss w.r.t. `trainable_state` only; pass `frozen_state` through jit as a plain argument
+  (it is never copied or differentiated) and rebuild with `nnx.merge(graphdef, trainable, frozen)`.
+  """
+  return nnx.split(model, nnx.Param, ...)
