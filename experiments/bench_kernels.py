@@ -1,0 +1,298 @@
+"""Benchmark of the fused NVFP4 matmul kernels against the bf16 XLA dot, on every Qwen2.5 linear shape.
+
+Run on a GPU from the repo root (it checks every timed kernel against a float32 reference first):
+  QERL_COMMIT=$(git rev-parse --short HEAD) python3 -m experiments.bench_kernels \
+      --out experiments/results/kernels.jsonl
+  python3 -m experiments.bench_kernels --sweep --models 7b --rows 1,16,64,256,2048   # tile candidates
+Each measurement is one JSON line (shape, rows, k, n, direction, us, bf16_us, ratio, roofline_frac,
+implementation, config, commit, device, ...); a summary table is printed last. The roofline is the packed
+weight + scale bytes over the device-to-device copy bandwidth measured at the start of the same run.
+Timing: each op runs inside one jitted loop over several weight copies (more bytes than L2 holds), so
+launches go back to back without Python in between; the per-call time is the median of 5 runs / calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels import config as config_lib
+from kernels.config import Nvfp4MatmulConfig
+from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
+from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
+
+
+def _qwen_shapes(hidden, inter, heads, kv_heads, head_dim=128):
+  """(K, N) of each decoder linear, y = x @ W[K, N], with q|k|v and gate|up fused as vLLM runs them."""
+  return {
+    "qkv": (hidden, (heads + 2 * kv_heads) * head_dim),
+    "o": (heads * head_dim, hidden),
+    "gate_up": (hidden, 2 * inter),
+    "down": (inter, hidden),
+  }
+
+
+MODELS = {
+  "7b": _qwen_shapes(3584, 18944, 28, 4),
+  "14b": _qwen_shapes(5120, 13824, 40, 8),
+  "32b": _qwen_shapes(5120, 27648, 40, 8),
+  "tiny": _qwen_shapes(64, 96, 2, 1, head_dim=16),  # CPU smoke test of this script (--interpret)
+}
+ROWS = (1, 8, 16, 64, 256, 2048, 8192)
+_L2_BYTES_x4 = 200 * 2**20  # rotate weight copies until this many bytes are in play (L2 is ~50-60 MB)
+
+# Tile candidates per direction and row bucket, for --sweep.
+_C = Nvfp4MatmulConfig
+CANDIDATES = {
+  ("fwd", 16): [_C(16, 64, 256, num_warps=4, num_stages=4), _C(16, 128, 256, num_warps=4, num_stages=3),
+                _C(16, 64, 512, num_warps=4, num_stages=3), _C(16, 32, 512, num_warps=4, num_stages=4)],
+  ("fwd", 64): [_C(64, 64, 128, num_warps=4, num_stages=4), _C(64, 128, 128, num_warps=4, num_stages=3),
+                _C(64, 64, 256, num_warps=4, num_stages=3), _C(32, 64, 256, num_warps=4, num_stages=4)],
+  ("fwd", 256): [_C(64, 128, 64, num_warps=4, num_stages=4), _C(128, 128, 64, num_warps=8, num_stages=3),
+                 _C(64, 128, 128, num_warps=4, num_stages=3), _C(128, 64, 128, num_warps=4, num_stages=3)],
+  ("fwd", 1 << 30): [_C(128, 128, 64, num_warps=8, num_stages=3), _C(128, 256, 64, num_warps=8, num_stages=3),
+                     _C(256, 128, 64, num_warps=8, num_stages=3), _C(128, 128, 128, num_warps=8, num_stages=3)],
+  ("bwd", 16): [_C(16, 256, 64, num_warps=4, num_stages=4), _C(16, 128, 128, num_warps=4, num_stages=4),
+                _C(16, 256, 128, num_warps=4, num_stages=3), _C(16, 512, 64, num_warps=4, num_stages=3)],
+  ("bwd", 64): [_C(64, 128, 64, num_warps=4, num_stages=4), _C(64, 128, 128, num_warps=4, num_stages=3),
+                _C(64, 64, 128, num_warps=4, num_stages=4), _C(32, 256, 64, num_warps=4, num_stages=4)],
+  ("bwd", 256): [_C(64, 64, 128, num_warps=4, num_stages=4), _C(128, 64, 128, num_warps=8, num_stages=3),
+                 _C(64, 128, 128, num_warps=4, num_stages=3), _C(128, 128, 64, num_warps=8, num_stages=3)],
+  ("bwd", 1 << 30): [_C(128, 64, 128, num_warps=8, num_stages=3), _C(128, 64, 256, num_warps=8, num_stages=3),
+                     _C(256, 64, 128, num_warps=8, num_stages=3), _C(128, 128, 128, num_warps=8, num_stages=3)],
+}
+
+
+def _commit() -> str:
+  if os.environ.get("QERL_COMMIT"):
+    return os.environ["QERL_COMMIT"]
+  try:
+    return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                   stderr=subprocess.DEVNULL).strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def _time_loop(op, x, ws, min_ms: float = 10.0, reps: int = 5) -> float:
+  """Median microseconds of one op(x, w) call, timed inside a jitted loop over the weight copies ws."""
+  zero = jnp.zeros((), jnp.float32)
+
+  @jax.jit
+  def run(x, ws, passes, zero):
+    def body(i, ys):
+      # A runtime zero keeps each pass from being hoisted out of the loop as loop-invariant.
+      xi = x + (i.astype(jnp.float32) * zero).astype(x.dtype)
+      return tuple(op(xi, w) for w in ws)
+    init = tuple(jax.eval_shape(op, x, w) for w in ws)
+    init = tuple(jnp.zeros(s.shape, s.dtype) for s in init)
+    return jax.lax.fori_loop(0, passes, body, init)
+
+  jax.block_until_ready(run(x, ws, 1, zero))  # compile + warm-up
+  t0 = time.perf_counter()
+  jax.block_until_ready(run(x, ws, 1, zero))
+  one = time.perf_counter() - t0
+  passes = max(1, min(200, math.ceil(min_ms * 1e-3 / max(one, 1e-6))))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(x, ws, passes, zero))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times)) / (passes * len(ws)) * 1e6
+
+
+def copy_bandwidth() -> float:
+  """Device-to-device bytes per second (read + write) of a 2 GiB elementwise copy."""
+  x = jnp.ones((2**28,), jnp.float32) + 0
+  zero = jnp.zeros((), jnp.float32)
+  f = jax.jit(lambda a, z: a + z)
+  jax.block_until_ready(f(x, zero))
+  ts = []
+  for _ in range(10):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(x, zero))
+    ts.append(time.perf_counter() - t0)
+  return 2 * x.nbytes / float(np.median(ts))
+
+
+def _random_weights(key, k, n, copies):
+  """copies of (packed uint8 [N, K/2], scale e4m3 [N, K/16], global_scale f32 [1]), all bytes random."""
+  out = []
+  for c in range(copies):
+    k1, k2, k3 = jax.random.split(jax.random.fold_in(key, c), 3)
+    packed = jax.random.randint(k1, (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    scale = jnp.exp2(jax.random.uniform(k2, (n, k // 16), minval=-9.0, maxval=8.7)).astype(
+        jnp.float8_e4m3fn)
+    gs = jax.random.uniform(k3, (1,), minval=100.0, maxval=3000.0)
+    out.append((packed, scale, gs))
+  return out
+
+
+@jax.jit
+def _dequant_f32_KxN(packed, scale, gs):
+  e2m1 = jnp.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], jnp.float32)
+  codes = jnp.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], -1)
+  w = e2m1[codes] * jnp.repeat(scale.astype(jnp.float32), 16, axis=1) / gs[0]
+  return w.T
+
+
+def _weight_bytes(k, n):
+  return n * k // 2 + n * k // 16 + 4
+
+
+_INTERPRET = False
+
+
+def _kernel_op(direction, cfg, poison=False):
+  fn = nvfp4_matmul_fwd_pallas if direction == "fwd" else nvfp4_matmul_bwd_pallas
+  return lambda a, w: fn(a, *w, config=cfg, poison=poison, interpret=_INTERPRET)
+
+
+def check(direction, cfg, a, w) -> float:
+  """Relative Frobenius error of the kernel (NaN-poisoned output) against a float32 reference."""
+  out = jax.jit(_kernel_op(direction, cfg, poison=True))(a, w).astype(jnp.float32)
+  w_KxN = _dequant_f32_KxN(*w)
+  a32 = a.astype(jnp.float32)
+  hi = jax.lax.Precision.HIGHEST
+  ref = jnp.dot(a32, w_KxN, precision=hi) if direction == "fwd" else jnp.dot(a32, w_KxN.T, precision=hi)
+  if bool(jnp.isnan(out).any()):
+    return float("nan")
+  return float(jnp.linalg.norm(out - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
+
+
+def bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw, dtype=jnp.bfloat16):
+  """Checks and times one kernel config and (cached per shape) the bf16 dot; returns a record."""
+  copies = int(np.clip(math.ceil(_L2_BYTES_x4 / _weight_bytes(k, n)), 2, 16))
+  ws = _random_weights(key, k, n, copies)
+  in_dim = k if direction == "fwd" else n
+  a = jax.random.normal(jax.random.fold_in(key, 99), (rows, in_dim), jnp.float32).astype(dtype)
+  candidate = dataclasses.asdict(cfg)
+  cfg = config_lib.fit(cfg, direction, rows, k, n, auto_split=cfg.split == 1)
+  t0 = time.perf_counter()
+  err = check(direction, cfg, a, ws[0])
+  compile_s = time.perf_counter() - t0
+  if not err < 1e-2:
+    raise RuntimeError(f"{direction} k={k} n={n} rows={rows} {cfg}: relative error {err}")
+  us = _time_loop(_kernel_op(direction, cfg), a, ws)
+  bkey = (direction, k, n, rows)
+  if bkey not in bf16_cache:
+    bcopies = int(np.clip(math.ceil(_L2_BYTES_x4 / (2 * k * n)), 2, 16))
+    wb = [jax.random.normal(jax.random.fold_in(key, 1000 + c), (k, n), jnp.float32).astype(dtype)
+          for c in range(bcopies)]
+    if direction == "fwd":
+      bop = lambda x, w: jnp.dot(x, w)
+    else:
+      bop = lambda dy, w: jax.lax.dot_general(dy, w, (((1,), (1,)), ((), ())))
+    bf16_cache[bkey] = _time_loop(bop, a, wb)
+    del wb
+  bf16_us = bf16_cache[bkey]
+  roof_us = _weight_bytes(k, n) / bw * 1e6
+  del ws
+  return dict(rows=rows, k=k, n=n, direction=direction, us=round(us, 2), bf16_us=round(bf16_us, 2),
+              speedup=round(bf16_us / us, 3), roofline_frac=round(roof_us / us, 3),
+              roofline_us=round(roof_us, 2), check_rel_err=float(f"{err:.3g}"),
+              config=dataclasses.asdict(cfg), candidate=candidate, first_call_s=round(compile_s, 2))
+
+
+def _bucket(direction, rows):
+  for (d, max_rows) in sorted(CANDIDATES, key=lambda t: (t[0], t[1])):
+    if d == direction and rows <= max_rows:
+      return max_rows
+  raise AssertionError
+
+
+def _summary(records):
+  lines = [f"{'shape':<18}{'dir':<5}{'rows':>6}{'us':>10}{'bf16_us':>10}{'x bf16':>8}{'roof':>7}"]
+  for r in records:
+    lines.append(f"{r['shape']:<18}{r['direction']:<5}{r['rows']:>6}{r['us']:>10.1f}{r['bf16_us']:>10.1f}"
+                 f"{r['speedup']:>8.2f}{r['roofline_frac']:>7.2f}")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--models", default="7b,14b,32b")
+  p.add_argument("--layers", default="qkv,o,gate_up,down")
+  p.add_argument("--rows", default=",".join(map(str, ROWS)))
+  p.add_argument("--directions", default="fwd,bwd")
+  p.add_argument("--sweep", action="store_true", help="time every tile candidate; print the winners")
+  p.add_argument("--out", default="experiments/results/kernels.jsonl")
+  p.add_argument("--tuning-out", default="", help="with --sweep: write the winners as tuning JSON here")
+  p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU smoke test only)")
+  args = p.parse_args(argv)
+  global _INTERPRET
+  _INTERPRET = args.interpret
+
+  dev = jax.devices()[0]
+  device = dev.device_kind
+  commit = _commit()
+  bw = copy_bandwidth()
+  print(f"device={device} commit={commit} copy_bandwidth={bw / 1e12:.3f} TB/s", flush=True)
+  key = jax.random.key(0)
+  records, swept, bf16_cache = [], [], {}
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out, "a") as f:
+    for model in args.models.split(","):
+      for layer in args.layers.split(","):
+        k, n = MODELS[model][layer]
+        for direction in args.directions.split(","):
+          for rows in map(int, args.rows.split(",")):
+            if args.sweep:
+              cands = CANDIDATES[(direction, _bucket(direction, rows))]
+            else:
+              cands = [config_lib.get_config(direction, rows, k, n, device)]
+            best = None
+            for cfg in cands:
+              try:
+                rec = bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw)
+              except Exception as e:  # keep going: one bad candidate must not lose the run
+                print(f"FAILED {model}.{layer} {direction} rows={rows} {cfg}: {type(e).__name__}: "
+                      f"{str(e)[:400]}", flush=True)
+                continue
+              rec.update(shape=f"qwen2.5-{model}.{layer}", implementation="pallas", commit=commit,
+                         device=device, copy_tbps=round(bw / 1e12, 3), sweep=bool(args.sweep))
+              f.write(json.dumps(rec) + "\n")
+              f.flush()
+              print(json.dumps(rec), flush=True)
+              swept.append(rec)
+              if best is None or rec["us"] < best["us"]:
+                best = rec
+            if best is not None:
+              records.append(best)
+  print(_summary(records))
+  if args.sweep and args.tuning_out:
+    with open(args.tuning_out, "w") as g:
+      json.dump({"device_kind": device, "commit": commit, "entries": tuning_entries(swept)}, g, indent=1)
+  return records
+
+
+def tuning_entries(swept):
+  """Per (direction, row bucket): the candidate with the least summed time relative to each case's best."""
+  best_us, scores = {}, {}
+  for r in swept:
+    case = (r["shape"], r["direction"], r["rows"])
+    best_us[case] = min(best_us.get(case, float("inf")), r["us"])
+  for r in swept:
+    cfg = dict(r["candidate"])
+    cfg.pop("split")
+    key = (r["direction"], _bucket(r["direction"], r["rows"]), json.dumps(cfg, sort_keys=True))
+    scores[key] = scores.get(key, 0.0) + r["us"] / best_us[(r["shape"], r["direction"], r["rows"])]
+  entries = {}
+  for (direction, bucket, cfg), score in sorted(scores.items(), key=lambda t: t[1]):
+    entries.setdefault((direction, bucket), {"direction": direction, "max_rows": bucket,
+                                             "config": json.loads(cfg), "score": round(score, 3)})
+  return [entries[k] for k in sorted(entries)]
+
+
+if __name__ == "__main__":
+  sys.exit(0 if main() is not None else 1)
