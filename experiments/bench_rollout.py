@@ -1,0 +1,254 @@
+"""Rollout throughput: bf16 + LoRA vs NVFP4 + LoRA on random weights in the exact Qwen2.5 shapes.
+
+    python experiments/bench_rollout.py --models qwen2.5-7b --batches 1 8 64       # on the GPU
+    python experiments/bench_rollout.py --smoke                                    # tiny, any machine
+
+Each (model, quant, batch) runs in its own subprocess so that peak device memory is that run's alone.
+Prompt 256 tokens, `--new-tokens` (1024) sampled at temperature 1 with stop tokens ignored, LoRA rank 16
+unmerged on all seven projections. Prints tokens/s, ms per decode step, peak GPU memory and the
+weight-streaming floor (weight + KV bytes per step over the copy bandwidth measured in the same process);
+when torch is present, transformers' `generate` on the same shape (bf16, no LoRA) is the peer. One JSON line
+per run is appended to experiments/results/rollout.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# Qwen2.5-*-Instruct shapes (config.json of the hub models); head_dim 128, qkv bias, rope_theta 1e6.
+QWEN25 = {
+  "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_layers=36, num_heads=16, num_kv_heads=2,
+                     vocab_size=151936, tie_word_embeddings=True),
+  "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
+                     vocab_size=152064, tie_word_embeddings=False),
+  "qwen2.5-14b": dict(hidden_size=5120, intermediate_size=13824, num_layers=48, num_heads=40, num_kv_heads=8,
+                      vocab_size=152064, tie_word_embeddings=False),
+  "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_layers=64, num_heads=40, num_kv_heads=8,
+                      vocab_size=152064, tie_word_embeddings=False),
+  "qwen2.5-72b": dict(hidden_size=8192, intermediate_size=29568, num_layers=80, num_heads=64, num_kv_heads=8,
+                      vocab_size=152064, tie_word_embeddings=False),
+  "smoke": dict(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                vocab_size=512, tie_word_embeddings=False),
+}
+
+
+def model_config(name: str):
+  import jax.numpy as jnp
+  from qerl_jax.model import ModelConfig
+  return ModelConfig(arch="qwen2", head_dim=128 if name != "smoke" else 32, rope_theta=1e6, qkv_bias=True,
+                     rms_norm_eps=1e-6, max_position_embeddings=32768, dtype=jnp.bfloat16, **QWEN25[name])
+
+
+def synthetic_base(config, quant: str, seed: int = 0):
+  """A random base in its final device layout, leaf by leaf, without a host copy or a bf16 detour.
+
+  Quantized leaves get random codes and scales with a realistic magnitude (weights ~0.02): speed does not
+  depend on the values, and drawing bytes directly lets 32B/72B shapes be built on one GPU.
+  """
+  import jax
+  import jax.numpy as jnp
+  from qerl_jax.model.base import empty_base, schemes_for
+
+  abstract = jax.eval_shape(lambda: empty_base(config, schemes_for(config, quant)))
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  out = []
+  for (path, spec), key in zip(leaves, keys):
+    name = jax.tree_util.keystr(path)
+    shape, dtype = spec.shape, jnp.dtype(spec.dtype)
+    fill = jax.jit(_filler(name, dtype), static_argnums=(1,))
+    out.append(fill(key, shape))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _filler(name: str, dtype):
+  import jax
+  import jax.numpy as jnp
+
+  def fill(key, shape):
+    if dtype == jnp.uint8:
+      return jax.random.bits(key, shape, jnp.uint8)
+    if dtype == jnp.float8_e4m3fn:  # block scales; with global scale 100 the weights are ~0.01-0.05
+      return jax.random.uniform(key, shape, jnp.float32, 0.5, 2.0).astype(dtype)
+    if "global_scale" in name:
+      return jnp.full(shape, 100.0, dtype)
+    if "norm" in name:
+      return jnp.ones(shape, dtype)
+    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+  return fill
+
+
+def copy_bandwidth(gib: float = 4.0) -> float:
+  """Device-to-device copy bandwidth in bytes/s (bytes read + written), median of 20."""
+  import jax
+  import jax.numpy as jnp
+  x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
+  copy = jax.jit(lambda a: a * 1.0000001)
+  copy(x).block_until_ready()
+  times = []
+  for _ in range(20):
+    t0 = time.perf_counter()
+    copy(x).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return 2 * x.nbytes / statistics.median(times)
+
+
+def run_one(args) -> dict:
+  """One (model, quant, batch) in this process; returns the JSON record."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+  from qerl_jax.model import Transformer
+  from qerl_jax.model.linear import LoraConfig
+  from qerl_jax.quant.types import nbytes
+  from qerl_jax.rollout.engine import rollout
+  from qerl_jax.rollout.sampling import SamplingParams
+
+  config = model_config(args.model)
+  base = synthetic_base(config, args.quant)
+  lora = LoraConfig(rank=16, alpha=16, dtype=jnp.bfloat16)
+  model = Transformer(config, base, lora=lora, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  weight_bytes = nbytes(base)
+  del base
+  batch, prompt_len, new = args.batch, args.prompt_len, args.new_tokens
+  rng = np.random.default_rng(0)
+  prompt = jnp.asarray(rng.integers(0, config.vocab_size, (batch, prompt_len)), jnp.int32)
+  valid = jnp.ones((batch, prompt_len), bool)
+  sampling = SamplingParams(temperature=1.0)
+
+  def go(seed):
+    out = rollout(graphdef, state, prompt, valid, jax.random.key(seed), None, sampling=sampling,
+                  max_new_tokens=new, stop_ids=(), pad_id=0)
+    return out.tokens_BxN.block_until_ready()
+
+  t0 = time.perf_counter()
+  go(0)
+  compile_s = time.perf_counter() - t0
+  times = []
+  for rep in range(args.reps):
+    t0 = time.perf_counter()
+    go(rep + 1)
+    times.append(time.perf_counter() - t0)
+  sec = statistics.median(times)
+  bw = copy_bandwidth() if jax.default_backend() == "gpu" else float("nan")
+  stats = jax.devices()[0].memory_stats() or {}
+  kv_bytes_avg = (2 * config.num_layers * batch * (prompt_len + new / 2) * config.num_kv_heads
+                  * config.head_dim * 2)
+  floor_ms = (weight_bytes + kv_bytes_avg) / bw * 1e3
+  return dict(model=args.model, quant=args.quant, batch=batch, prompt_len=prompt_len, new_tokens=new,
+              tokens_per_s=batch * new / sec, ms_per_step=sec / new * 1e3, rollout_s=sec, compile_s=compile_s,
+              peak_gb=stats.get("peak_bytes_in_use", 0) / 1e9, weight_gb=weight_bytes / 1e9,
+              floor_ms_per_step=floor_ms, copy_gbps=bw / 1e9, lora_rank=16, reps=args.reps,
+              device=jax.devices()[0].device_kind, jax=jax.__version__)
+
+
+def run_hf(args) -> dict:
+  """transformers' generate on the same shape, bf16, random init, no LoRA (the peer)."""
+  import torch
+  import transformers
+  spec = QWEN25[args.model]
+  cfg = transformers.Qwen2Config(
+    vocab_size=spec["vocab_size"], hidden_size=spec["hidden_size"], intermediate_size=spec["intermediate_size"],
+    num_hidden_layers=spec["num_layers"], num_attention_heads=spec["num_heads"],
+    num_key_value_heads=spec["num_kv_heads"], tie_word_embeddings=spec["tie_word_embeddings"],
+    rope_theta=1e6, max_position_embeddings=32768, torch_dtype=torch.bfloat16)
+  torch.manual_seed(0)
+  with torch.device("cuda"):
+    model = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
+  prompt = torch.randint(0, spec["vocab_size"], (args.batch, args.prompt_len), device="cuda")
+  kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=True, temperature=1.0,
+            top_k=0, top_p=1.0, pad_token_id=0)
+  with torch.no_grad():
+    model.generate(prompt, **dict(kw, max_new_tokens=8, min_new_tokens=8))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(max(1, args.reps - 1)):
+      t0 = time.perf_counter()
+      model.generate(prompt, **kw)
+      torch.cuda.synchronize()
+      times.append(time.perf_counter() - t0)
+  sec = statistics.median(times)
+  return dict(model=args.model, quant="hf-bf16", batch=args.batch, prompt_len=args.prompt_len,
+              new_tokens=args.new_tokens, tokens_per_s=args.batch * args.new_tokens / sec,
+              ms_per_step=sec / args.new_tokens * 1e3, rollout_s=sec,
+              peak_gb=torch.cuda.max_memory_allocated() / 1e9, lora_rank=0, reps=len(times),
+              device=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__)
+
+
+def commit() -> str:
+  try:
+    return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
+  except Exception:  # pylint: disable=broad-except
+    return os.environ.get("QERL_COMMIT", "unknown")
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--models", nargs="+", default=["qwen2.5-7b"], choices=sorted(QWEN25))
+  p.add_argument("--quants", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4", "hf-bf16"])
+  p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
+  p.add_argument("--prompt-len", type=int, default=256)
+  p.add_argument("--new-tokens", type=int, default=1024)
+  p.add_argument("--reps", type=int, default=3)
+  p.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "rollout.jsonl"))
+  p.add_argument("--smoke", action="store_true", help="tiny model, few tokens: checks the script runs")
+  p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--model", help=argparse.SUPPRESS)
+  p.add_argument("--quant", help=argparse.SUPPRESS)
+  p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+  args = p.parse_args()
+  if args.one:
+    record = run_hf(args) if args.quant == "hf-bf16" else run_one(args)
+    print("RECORD " + json.dumps(record), flush=True)
+    return
+  if args.smoke:
+    args.models, args.batches, args.new_tokens, args.prompt_len, args.reps = ["smoke"], [2], 8, 16, 1
+    args.quants = [q for q in args.quants if q != "hf-bf16"]
+  env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"))
+  rows = []
+  for model in args.models:
+    for quant in args.quants:
+      for batch in args.batches:
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", "--model", model, "--quant", quant,
+               "--batch", str(batch), "--prompt-len", str(args.prompt_len), "--new-tokens",
+               str(args.new_tokens), "--reps", str(args.reps)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RECORD ")]
+        if proc.returncode or not lines:
+          print(f"FAILED {model} {quant} b{batch}:\n{proc.stderr[-3000:]}", flush=True)
+          continue
+        record = json.loads(lines[-1][len("RECORD "):])
+        record["commit"] = commit()
+        rows.append(record)
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "a") as f:
+          f.write(json.dumps(record) + "\n")
+        print(f"{model:12s} {quant:8s} b{batch:<3d} {record['tokens_per_s']:9.1f} tok/s "
+              f"{record['ms_per_step']:7.2f} ms/step peak {record['peak_gb']:6.1f} GB", flush=True)
+  print(f"\n{'model':12s} {'quant':8s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} {'floor':>7s} {'peak GB':>8s}")
+  for r in rows:
+    floor = r.get("floor_ms_per_step", float("nan"))
+    print(f"{r['model']:12s} {r['quant']:8s} {r['batch']:5d} {r['tokens_per_s']:9.1f} {r['ms_per_step']:8.2f} "
+          f"{floor:7.2f} {r['peak_gb']:8.1f}")
+  for model in args.models:
+    for batch in args.batches:
+      by = {r["quant"]: r["tokens_per_s"] for r in rows if r["model"] == model and r["batch"] == batch}
+      if "bf16" in by and "nvfp4" in by:
+        print(f"{model} batch {batch}: nvfp4 / bf16 = {by['nvfp4'] / by['bf16']:.2f}x", end="")
+        print(f", nvfp4 / hf-bf16 = {by['nvfp4'] / by['hf-bf16']:.2f}x" if "hf-bf16" in by else "")
+
+
+if __name__ == "__main__":
+  main()
