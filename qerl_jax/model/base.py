@@ -64,22 +64,27 @@ def proj_scheme(quant: str, k: int, n: int) -> str | None:
   return quant if k % _BLOCK[quant] == 0 else None
 
 
-def quantize_group(ws_KxN: list[jax.Array], scheme: str | None, dtype) -> list[Any]:
-  """Converts the weights of one fused group; NVFP4 members share the minimum global scale."""
+def quantize_group(ws_NxK: list[jax.Array], scheme: str | None, dtype,
+                   names: list[str] | None = None) -> list[Any]:
+  """Converts one fused group's weights, given in the file layout [N, K], to the model's [K, N] form.
+
+  scheme None keeps them as `dtype` arrays [K, N]; NVFP4 members share the minimum global scale.
+  """
+  names = names or [None] * len(ws_NxK)
   if scheme is None:
-    return [jnp.asarray(w).astype(dtype) for w in ws_KxN]
+    return [jnp.asarray(w).T.astype(dtype) for w in ws_NxK]
   from qerl_jax import quant  # pylint: disable=import-outside-toplevel
-  if scheme == "nvfp4" and len(ws_KxN) > 1:
-    gs = quant.shared_global_scale(ws_KxN)
-    return [quant.quantize(w, scheme, global_scale=gs) for w in ws_KxN]
-  return [quant.quantize(w, scheme) for w in ws_KxN]
+  gs = quant.shared_global_scale(ws_NxK) if scheme == "nvfp4" and len(ws_NxK) > 1 else None
+  return [quant.quantize_NxK(w, scheme, global_scale=gs, name=name) for w, name in zip(ws_NxK, names)]
 
 
-def quantize_members(ws_KxN: list[jax.Array], schemes: list[str | None], dtype) -> list[Any]:
+def quantize_members(ws_NxK: list[jax.Array], schemes: list[str | None], dtype,
+                     names: list[str] | None = None) -> list[Any]:
   """`quantize_group` when all members share a scheme, else member by member (no shared scale)."""
+  names = names or [None] * len(ws_NxK)
   if len(set(schemes)) == 1:
-    return quantize_group(ws_KxN, schemes[0], dtype)
-  return [quantize_group([w], s, dtype)[0] for w, s in zip(ws_KxN, schemes)]
+    return quantize_group(ws_NxK, schemes[0], dtype, names)
+  return [quantize_group([w], s, dtype, [n])[0] for w, s, n in zip(ws_NxK, schemes, names)]
 
 
 def abstract_weight(k: int, n: int, scheme: str | None, dtype) -> Any:
@@ -91,8 +96,8 @@ def abstract_weight(k: int, n: int, scheme: str | None, dtype) -> Any:
   return jax.eval_shape(functools.partial(quant.quantize, scheme=scheme), spec)
 
 
-def _stack_zeros(abstract: Any, num_layers: int) -> Any:
-  return jax.tree.map(lambda s: jnp.zeros((num_layers,) + tuple(s.shape), s.dtype), abstract)
+def _stacked_abstract(abstract: Any, num_layers: int) -> Any:
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct((num_layers,) + tuple(s.shape), s.dtype), abstract)
 
 
 def empty_base(config: ModelConfig, schemes: dict[str, str | None], *, dtype=None) -> dict[str, Any]:
@@ -102,23 +107,26 @@ def empty_base(config: ModelConfig, schemes: dict[str, str | None], *, dtype=Non
   """
   dtype = jnp.dtype(dtype or config.dtype)
   num_layers = config.num_layers
+  f32 = jnp.float32
   layers: dict[str, Any] = {
-    "input_layernorm": jnp.zeros((num_layers, config.hidden_size), jnp.float32),
-    "post_attention_layernorm": jnp.zeros((num_layers, config.hidden_size), jnp.float32),
+    "input_layernorm": jax.ShapeDtypeStruct((num_layers, config.hidden_size), f32),
+    "post_attention_layernorm": jax.ShapeDtypeStruct((num_layers, config.hidden_size), f32),
   }
   if config.qk_norm:
-    layers["q_norm"] = jnp.zeros((num_layers, config.head_dim), jnp.float32)
-    layers["k_norm"] = jnp.zeros((num_layers, config.head_dim), jnp.float32)
+    layers["q_norm"] = jax.ShapeDtypeStruct((num_layers, config.head_dim), f32)
+    layers["k_norm"] = jax.ShapeDtypeStruct((num_layers, config.head_dim), f32)
   for name, (k, n) in proj_shapes(config).items():
-    p = {"w": _stack_zeros(abstract_weight(k, n, schemes[name], dtype), num_layers)}
+    p = {"w": _stacked_abstract(abstract_weight(k, n, schemes[name], dtype), num_layers)}
     if has_bias(config, name):
-      p["b"] = jnp.zeros((num_layers, n), dtype)
+      p["b"] = jax.ShapeDtypeStruct((num_layers, n), dtype)
     layers[name] = p
-  base = {"embed_tokens": jnp.zeros((config.vocab_size, config.hidden_size), dtype),
-          "norm": jnp.zeros((config.hidden_size,), jnp.float32), "layers": layers}
+  vd = (config.vocab_size, config.hidden_size)
+  abstract = {"embed_tokens": jax.ShapeDtypeStruct(vd, dtype), "norm": jax.ShapeDtypeStruct(vd[1:], f32),
+              "layers": layers}
   if not config.tie_word_embeddings:
-    base["lm_head"] = jnp.zeros((config.vocab_size, config.hidden_size), dtype)
-  return base
+    abstract["lm_head"] = jax.ShapeDtypeStruct(vd, dtype)
+  # One program allocates everything (an eager jnp.zeros per array would compile once per shape).
+  return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract))()
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -127,6 +135,28 @@ def put_layer(stacked: Any, layer: jax.Array, value: Any) -> Any:
   return jax.tree.map(
     lambda s, v: jax.lax.dynamic_update_index_in_dim(s, jnp.asarray(v).astype(s.dtype), layer, 0),
     stacked, value)
+
+
+@functools.partial(jax.jit, static_argnames=("schemes", "dtype"), donate_argnums=0)
+def _put_group(stacked: tuple[Any, ...], layer: jax.Array, ws_NxK: tuple[jax.Array, ...], *,
+               schemes: tuple[str | None, ...], dtype) -> tuple[tuple[Any, ...], jax.Array]:
+  qs = quantize_members(list(ws_NxK), list(schemes), dtype)
+  finite = jnp.stack([jnp.all(jnp.isfinite(w)) for w in ws_NxK])
+  return tuple(put_layer(s, layer, q) for s, q in zip(stacked, qs)), finite
+
+
+def put_group(stacked: tuple[Any, ...], layer: int, ws_NxK: list[Any], schemes: list[str | None], dtype,
+              names: list[str]) -> tuple[Any, ...]:
+  """Converts one fused group of layer `layer` (file layout [N, K]) and writes it into the stacked
+  buffers in place: one compiled program per group shape. Waits for the result, so at most one group's
+  source tensors are alive, and raises ValueError naming any weight with NaN/Inf that was to be quantized.
+  """
+  out, finite = _put_group(tuple(stacked), jnp.int32(layer), tuple(ws_NxK), schemes=tuple(schemes),
+                           dtype=jnp.dtype(dtype))
+  for ok, name, scheme in zip(np.asarray(finite), names, schemes):
+    if scheme is not None and not ok:
+      raise ValueError(f"tensor {name} contains NaN or Inf; refusing to quantize it")
+  return out
 
 
 def schemes_for(config: ModelConfig, quant: str) -> dict[str, str | None]:
@@ -151,10 +181,12 @@ def random_base(config: ModelConfig, key: jax.Array, quant: str = "bf16", *, std
       layers[name] = 1.0 + 0.1 * jax.random.normal(next(keys), shape, jnp.float32)
   for layer in range(config.num_layers):
     for group in FUSED_GROUPS:
-      ws = [(std * jax.random.normal(next(keys), shapes[name], jnp.float32)).astype(dtype) for name in group]
-      qs = quantize_members(ws, [schemes[name] for name in group], dtype)
-      for name, q in zip(group, qs):
-        layers[name]["w"] = put_layer(layers[name]["w"], jnp.int32(layer), q)
+      ws = [(std * jax.random.normal(next(keys), shapes[name][::-1], jnp.float32)).astype(dtype)
+            for name in group]
+      out = put_group([layers[name]["w"] for name in group], layer, ws, [schemes[name] for name in group],
+                      dtype, list(group))
+      for name, w in zip(group, out):
+        layers[name]["w"] = w
   for name in PROJ_NAMES:
     if "b" in layers[name]:
       shape = layers[name]["b"].shape

@@ -157,12 +157,12 @@ class Projection(nnx.Module):
   def __init__(self, weight: Any, bias: jax.Array | None = None, lora: tuple[jax.Array, jax.Array] | None = None):
     self.weight = Frozen(weight)
     self.bias = Frozen(bias) if bias is not None else None
-    self.lora_a = nnx.LoRAParam(lora[0]) if lora is not None else None
-    self.lora_b = nnx.LoRAParam(lora[1]) if lora is not None else None
+    self.set_lora(lora)
 
   def set_lora(self, lora: tuple[jax.Array, jax.Array] | None) -> None:
-    self.lora_a = nnx.LoRAParam(lora[0]) if lora is not None else None
-    self.lora_b = nnx.LoRAParam(lora[1]) if lora is not None else None
+    # nnx.data: the slots switch between None and a variable, so they must be declared data, not static.
+    self.lora_a = nnx.data(nnx.LoRAParam(lora[0]) if lora is not None else None)
+    self.lora_b = nnx.data(nnx.LoRAParam(lora[1]) if lora is not None else None)
 
   def params(self) -> dict[str, Any]:
     """The pure pytree the layer function consumes."""

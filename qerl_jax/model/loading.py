@@ -169,12 +169,11 @@ def load_base(source, config: ModelConfig, quant: str, *, ct_scheme: str | None 
     for group in base_lib.FUSED_GROUPS:
       floats = [name for name in group if plan[name][0] == "float"]
       if floats:
-        ws = [jnp.asarray(source.get(_layer_name(layer, f"{PROJ_PATHS[n]}.weight"))).T for n in floats]
-        qs = base_lib.quantize_members(ws, [plan[n][1] for n in floats], dtype)
-        del ws
-        for name, q in zip(floats, qs):
-          layers[name]["w"] = base_lib.put_layer(layers[name]["w"], idx, q)
-        del qs
+        names = [_layer_name(layer, f"{PROJ_PATHS[n]}.weight") for n in floats]
+        out = base_lib.put_group([layers[n]["w"] for n in floats], layer, [source.get(nm) for nm in names],
+                                 [plan[n][1] for n in floats], dtype, names)
+        for name, w in zip(floats, out):
+          layers[name]["w"] = w
       for name in group:
         if plan[name][0] == "ct":
           stem = _layer_name(layer, PROJ_PATHS[name])

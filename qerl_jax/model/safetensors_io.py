@@ -76,6 +76,14 @@ class SafetensorsDir:
         raise FileNotFoundError(f"shard {path} listed in the index is missing")
       self.infos.update(read_header(path)[0])
 
+  @classmethod
+  def from_file(cls, path: str) -> "SafetensorsDir":
+    """A reader over one .safetensors file (e.g. a PEFT adapter)."""
+    obj = cls.__new__(cls)
+    obj.directory = path
+    obj.infos = read_header(path)[0]
+    return obj
+
   def __contains__(self, name: str) -> bool:
     return name in self.infos
 
