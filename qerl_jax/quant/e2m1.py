@@ -72,6 +72,19 @@ def unpack_low_first(packed_NxKh: jax.Array) -> jax.Array:
   return jnp.stack([lo, hi], axis=-1).reshape(n, 2 * kh)
 
 
+def div_exact(a, b) -> jax.Array:
+  """Correctly rounded float32 ``a / b`` (with broadcasting).
+
+  XLA's algebraic simplifier rewrites a division by a broadcast (constants included) into a
+  multiplication by the reciprocal, which is one ulp off for about a third of all quotients and so
+  changes codes and scales. An optimization barrier on the materialized divisor keeps the true divide.
+  """
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  shape = jnp.broadcast_shapes(a.shape, b.shape)
+  return jnp.broadcast_to(a, shape) / lax.optimization_barrier(jnp.broadcast_to(b, shape))
+
+
 def round_to_dtype(x_f32: jax.Array, dtype) -> jax.Array:
   """Round a float32 result to ``dtype`` and back: one PyTorch op evaluated in ``dtype``.
 

@@ -45,13 +45,13 @@ def nf4_codes(x_flat: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(codes uint8 [num_blocks * 64], absmax float32 [num_blocks]) of a flat weight."""
   blocks = _pad_to_blocks(x_flat.astype(jnp.float32), NF4_BLOCK)
   absmax = jnp.max(jnp.abs(blocks), axis=-1)
-  recip = jnp.float32(1.0) / jnp.maximum(absmax, jnp.float32(_ABSMAX_FLOOR))
+  recip = e2m1.div_exact(1.0, jnp.maximum(absmax, jnp.float32(_ABSMAX_FLOOR)))
   # The floor is a float32 subnormal that XLA:CPU reads as 0; keep all-zero blocks at exactly 0.
   scaled = jnp.where(absmax[:, None] > 0, blocks * recip[:, None], 0.0)
   if x_flat.shape[0] % NF4_BLOCK:
     # bitsandbytes divides (instead of multiplying by the reciprocal) in a trailing partial block.
     floor = jnp.maximum(absmax[-1], jnp.float32(_ABSMAX_FLOOR))
-    last = jnp.where(absmax[-1] > 0, blocks[-1] / floor, 0.0)
+    last = jnp.where(absmax[-1] > 0, e2m1.div_exact(blocks[-1], floor), 0.0)
     scaled = scaled.at[-1].set(last)
   scaled = jnp.clip(scaled, -1.0, 1.0)
   table = jnp.asarray(NF4_VALUES, jnp.float32)
@@ -79,13 +79,14 @@ def quantize_absmax_8bit(absmax: jax.Array, offset: jax.Array | None = None
   could sum in another order and differ from the stored offset in the last bit.
   """
   if offset is None:
-    offset = jnp.mean(absmax)
+    offset = e2m1.div_exact(jnp.sum(absmax), absmax.shape[0])  # PyTorch's mean: sum / n
   offset = lax.optimization_barrier(jnp.asarray(offset, jnp.float32))
   x = absmax - offset
   blocks = _pad_to_blocks(x, ABSMAX_BLOCK)
   absmax2 = jnp.max(jnp.abs(blocks), axis=-1)
   # bitsandbytes divides here (0/0 for a constant absmax would be NaN there; we map it to 0).
-  normed = jnp.where(absmax2[:, None] > 0, blocks / absmax2[:, None], 0.0).reshape(-1)
+  normed = jnp.where(absmax2[:, None] > 0, e2m1.div_exact(blocks, absmax2[:, None]), 0.0)
+  normed = normed.reshape(-1)
   search_map = jnp.asarray(DYNAMIC_MAP, jnp.float32)
   # Largest index whose code is <= x, then the right neighbour only if strictly closer.
   left = jnp.clip(jnp.searchsorted(search_map, normed, side="right") - 1, 0, 255)

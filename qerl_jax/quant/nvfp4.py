@@ -40,7 +40,7 @@ def global_scale(w: jax.Array) -> jax.Array:
   dtype = w.dtype
   amax = jnp.max(jnp.abs(w)).astype(jnp.float32)
   amax = jnp.maximum(amax, jnp.float32(jnp.finfo(dtype).tiny))
-  recip = e2m1.round_to_dtype(jnp.float32(1.0) / amax, dtype)
+  recip = e2m1.round_to_dtype(e2m1.div_exact(1.0, amax), dtype)
   gs = e2m1.round_to_dtype(jnp.float32(FP8_MAX * E2M1_MAX) * recip, dtype)
   gs = jnp.where(jnp.isfinite(gs), gs, jnp.float32(1.0))
   return gs.reshape(1)
@@ -53,7 +53,7 @@ def block_scales(w_NxK: jax.Array, gs: jax.Array) -> jax.Array:
   bamax = jnp.max(jnp.abs(w_NxK.reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK)), axis=-1)
   # amax / (range / 2) in the weight dtype, then gs * s in float32 (the [1]-shaped global scale
   # promotes the product to float32).
-  s = e2m1.round_to_dtype(bamax.astype(jnp.float32) / jnp.float32(E2M1_MAX), dtype)
+  s = e2m1.round_to_dtype(e2m1.div_exact(bamax, E2M1_MAX), dtype)
   s = gs.astype(jnp.float32).reshape(()) * s
   # Clamp before the cast: an out-of-range cast to float8_e4m3fn gives NaN, not 448.
   s = jnp.clip(s, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
@@ -62,7 +62,7 @@ def block_scales(w_NxK: jax.Array, gs: jax.Array) -> jax.Array:
 
 def effective_scale(scale_NxKb: jax.Array, gs: jax.Array) -> jax.Array:
   """float32 dequant step per block: float32(scale_fp8) / gs (a divide, as compressed-tensors does)."""
-  return scale_NxKb.astype(jnp.float32) / gs.astype(jnp.float32).reshape(())
+  return e2m1.div_exact(scale_NxKb.astype(jnp.float32), gs.reshape(()))
 
 
 def quantize_codes(w_NxK: jax.Array, scale_NxKb: jax.Array, gs: jax.Array) -> jax.Array:
@@ -72,7 +72,7 @@ def quantize_codes(w_NxK: jax.Array, scale_NxKb: jax.Array, gs: jax.Array) -> ja
   eff = effective_scale(scale_NxKb, gs)[:, :, None]
   w_blocks = w_NxK.reshape(n, nb, NVFP4_BLOCK)
   # y = w / eff (not w * gs / s: the two round differently).
-  y = jnp.clip(w_blocks.astype(jnp.float32) / eff, -E2M1_MAX, E2M1_MAX)
+  y = jnp.clip(e2m1.div_exact(w_blocks.astype(jnp.float32), eff), -E2M1_MAX, E2M1_MAX)
   codes = e2m1.e2m1_codes(y, e2m1.is_negative(w_blocks))
   return codes.reshape(n, k)
 
