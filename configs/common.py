@@ -45,7 +45,7 @@ def recipe() -> ml_collections.ConfigDict:
   c.model.dtype = "bfloat16"  # activations and unquantized weights
   c.model.lora_rank = 32  # paper main runs: 32 (authors' scripts: 16)
   c.model.lora_alpha = 32.0  # LoRA scale is alpha / rank
-  c.model.lora_targets = "q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"  # regex over linears
+  c.model.lora_targets = "all-linear"  # q,k,v,o,gate,up,down; or a regex such as "q_proj|v_proj"
   c.model.train_norms = True  # also train each block's RMSNorm scales, as the authors do
   c.model.remat = True  # rematerialise each layer in the update's backward pass
   # A random-weight model of this architecture instead of model.path (smoke runs; HF config field names).
@@ -66,7 +66,7 @@ def recipe() -> ml_collections.ConfigDict:
   c.data.system_prompt = "paper"  # "paper" (think/answer tags), "none", or the literal text
   c.data.max_prompt_tokens = 512  # longer prompts are dropped (and counted) before training
   c.data.difficulty = 0  # arithmetic only: 0 (a + b) ... 8 (8-step stories)
-  c.data.num_examples = 4096  # arithmetic only: problems generated
+  c.data.num_examples = 0  # use the first N examples (0 = all); arithmetic: N problems (0 = 4096)
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.samples_per_prompt = 8  # G, the group size (paper: 8 on GSM8K, 16 on BigMath)
@@ -153,6 +153,8 @@ def shrink_to_smoke(c: ml_collections.ConfigDict, model_type: str) -> None:
   c.model.lora_rank = 4
   c.model.lora_alpha = 8.0
   c.data.max_prompt_tokens = 320
+  c.data.num_examples = 64  # tokenizing all of GSM8K for the length filter would dominate a smoke run
+  c.rollout.prompt_bucket = c.data.max_prompt_tokens  # one prompt bucket: one compile of each program
   c.rollout.samples_per_prompt = 4
   c.rollout.max_new_tokens = 8
   c.rollout.batch_size = 0

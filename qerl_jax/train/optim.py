@@ -6,6 +6,7 @@ applied to the LoRA A and B matrices. The schedule counts optimizer updates: `nu
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -52,16 +53,34 @@ def learning_rate_schedule(learning_rate: float, total_updates: int, warmup_rati
   return optax.join_schedules([ramp, cosine], [warmup])
 
 
-def make_optimizer(train_cfg, total_updates: int):
-  """(optax transformation, schedule) from the `train` section of a config.
+@dataclasses.dataclass(frozen=True)
+class OptimizerSettings:
+  """Hyperparameters of the optimizer (hashable, so equal settings share one compiled update)."""
 
-  Reads learning_rate, warmup_ratio, final_lr_ratio, adam_b1, adam_b2, adam_eps, weight_decay, grad_clip.
-  """
-  schedule = learning_rate_schedule(train_cfg.learning_rate, total_updates, train_cfg.warmup_ratio,
-                                    train_cfg.final_lr_ratio)
+  learning_rate: float
+  total_updates: int
+  warmup_ratio: float = 0.1
+  final_lr_ratio: float = 0.0
+  adam_b1: float = 0.9
+  adam_b2: float = 0.99
+  adam_eps: float = 1e-8
+  weight_decay: float = 0.1
+  grad_clip: float = 0.2
+
+  @classmethod
+  def from_config(cls, config) -> "OptimizerSettings":
+    t = config.train
+    return cls(learning_rate=t.learning_rate, total_updates=t.steps * t.num_iterations,
+               warmup_ratio=t.warmup_ratio, final_lr_ratio=t.final_lr_ratio, adam_b1=t.adam_b1,
+               adam_b2=t.adam_b2, adam_eps=t.adam_eps, weight_decay=t.weight_decay, grad_clip=t.grad_clip)
+
+
+def make_optimizer(s: OptimizerSettings):
+  """(optax transformation, schedule): [clip_by_global_norm] -> AdamW(schedule, masked weight decay)."""
+  schedule = learning_rate_schedule(s.learning_rate, s.total_updates, s.warmup_ratio, s.final_lr_ratio)
   parts = []
-  if train_cfg.grad_clip > 0:
-    parts.append(optax.clip_by_global_norm(train_cfg.grad_clip))
-  parts.append(optax.adamw(schedule, b1=train_cfg.adam_b1, b2=train_cfg.adam_b2, eps=train_cfg.adam_eps,
-                           weight_decay=train_cfg.weight_decay, mask=decay_mask))
+  if s.grad_clip > 0:
+    parts.append(optax.clip_by_global_norm(s.grad_clip))
+  parts.append(optax.adamw(schedule, b1=s.adam_b1, b2=s.adam_b2, eps=s.adam_eps, weight_decay=s.weight_decay,
+                           mask=decay_mask))
   return optax.chain(*parts), schedule

