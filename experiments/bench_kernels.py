@@ -84,7 +84,7 @@ def _commit() -> str:
     return "unknown"
 
 
-def _time_loop(op, x, ws, min_ms: float = 10.0, reps: int = 5) -> float:
+def _time_loop(op, x, ws, min_ms: float = 5.0, reps: int = 5) -> float:
   """Median microseconds of one op(x, w) call, timed inside a jitted loop over the weight copies ws."""
   zero = jnp.zeros((), jnp.float32)
 
@@ -211,6 +211,33 @@ def _bucket(direction, rows):
   raise AssertionError
 
 
+def _ab_decoders(f, key, bf16_cache, bw, commit, device):
+  """Times the jnp and asm tile decoders on the same tiles; returns {(direction, small_rows): decoder}."""
+  total = {}
+  for layer in ("gate_up", "down"):
+    k, n = MODELS["7b"][layer]
+    for direction in ("fwd", "bwd"):
+      for rows in (1, 2048):
+        cfg = config_lib.get_config(direction, rows, k, n, device)
+        for dq in ("jnp", "asm"):
+          group = (direction, rows <= 256)
+          try:
+            rec = bench_one(direction, k, n, rows, dataclasses.replace(cfg, dequant=dq), key, bf16_cache, bw)
+          except Exception as e:
+            print(f"FAILED ab {layer} {direction} rows={rows} {dq}: {type(e).__name__}: {str(e)[:600]}",
+                  flush=True)
+            total[(group, dq)] = float("inf")
+            continue
+          rec.update(shape=f"qwen2.5-7b.{layer}", implementation="pallas", commit=commit, device=device,
+                     copy_tbps=round(bw / 1e12, 3), sweep="ab")
+          f.write(json.dumps(rec) + "\n")
+          f.flush()
+          print(f"ab {layer} {direction} rows={rows} {dq}: {rec['us']} us (bf16 {rec['bf16_us']})", flush=True)
+          total[(group, dq)] = total.get((group, dq), 0.0) + rec["us"]
+  groups = {g for g, _ in total}
+  return {g: min(("jnp", "asm"), key=lambda d: total.get((g, d), float("inf"))) for g in groups}
+
+
 def _summary(records):
   lines = [f"{'shape':<18}{'dir':<5}{'rows':>6}{'us':>10}{'bf16_us':>10}{'x bf16':>8}{'roof':>7}"]
   for r in records:
@@ -229,6 +256,9 @@ def main(argv=None):
   p.add_argument("--out", default="experiments/results/kernels.jsonl")
   p.add_argument("--tuning-out", default="", help="with --sweep: write the winners as tuning JSON here")
   p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU smoke test only)")
+  p.add_argument("--ab", action="store_true",
+                 help="first time both tile decoders (jnp, asm) on 7B gate_up/down at 1 and 2048 rows; "
+                      "then use the faster one (per direction, rows <= 256 or more) for the whole run")
   args = p.parse_args(argv)
   global _INTERPRET
   _INTERPRET = args.interpret
@@ -241,7 +271,11 @@ def main(argv=None):
   key = jax.random.key(0)
   records, swept, bf16_cache = [], [], {}
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  choice = {}
   with open(args.out, "a") as f:
+    if args.ab:
+      choice = _ab_decoders(f, key, bf16_cache, bw, commit, device)
+      print("decoder choice:", choice, flush=True)
     for model in args.models.split(","):
       for layer in args.layers.split(","):
         k, n = MODELS[model][layer]
@@ -250,7 +284,9 @@ def main(argv=None):
             if args.sweep:
               cands = CANDIDATES[(direction, _bucket(direction, rows))]
             else:
-              cands = [config_lib.get_config(direction, rows, k, n, device)]
+              cfg = config_lib.get_config(direction, rows, k, n, device)
+              dq = choice.get((direction, rows <= 256), cfg.dequant)
+              cands = [dataclasses.replace(cfg, dequant=dq)]
             best = None
             for cfg in cands:
               try:

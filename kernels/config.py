@@ -28,6 +28,7 @@ class Nvfp4MatmulConfig:
   split: programs along the contraction axis (split-K forward, split-N backward) whose float32 partial sums
   are added afterwards; more programs keep all SMs streaming weights when there are few rows.
   group_m: row tiles visited together so neighbouring programs share weight tiles in L2.
+  dequant: how tiles are decoded; interpret mode always uses "jnp".
   """
 
   block_m: int = 16
@@ -37,8 +38,11 @@ class Nvfp4MatmulConfig:
   group_m: int = 8
   num_warps: int = 4
   num_stages: int = 3
+  dequant: str = "jnp"  # "jnp" (portable, interpret-mode testable) or "asm" (inline PTX, GPU only)
 
   def __post_init__(self):
+    if self.dequant not in ("jnp", "asm"):
+      raise ValueError(f"{self.dequant=} must be 'jnp' or 'asm'")
     for name in ("block_m", "block_n", "block_k"):
       v = getattr(self, name)
       if v < 16 or v & (v - 1):

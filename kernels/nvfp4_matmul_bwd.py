@@ -22,7 +22,8 @@ from kernels.nvfp4_matmul_fwd import _tile_ids
 
 
 def nvfp4_matmul_bwd_kernel(dy_ref, packed_ref, scale_ref, gs_ref, o_ref, *, block_m: int, block_n: int,
-                            block_k: int, steps_per_split: int, group_m: int, split: int):
+                            block_k: int, steps_per_split: int, group_m: int, split: int,
+                            dequant: str = "jnp"):
   """One [block_m, block_k] tile of dx over one split of N.
 
   dy_ref [M, N]; packed_ref uint8 [N, K/2]; scale_ref e4m3 [N, K/16]; gs_ref f32 [1];
@@ -49,12 +50,13 @@ def nvfp4_matmul_bwd_kernel(dy_ref, packed_ref, scale_ref, gs_ref, o_ref, *, blo
         mask=col_mask[:, None], other=0)
     s_NxKb = plgpu.load(scale_ref.at[pl.ds(n0, block_n), pl.ds(k0 // 16, block_k // 16)],
                         mask=col_mask[:, None], other=0.0)
-    w_NxK = nvfp4_tile.dequant_tile(p_NxKh, s_NxKb, dy_MxN.dtype)
+    decode = nvfp4_tile.dequant_tile_asm if dequant == "asm" else nvfp4_tile.dequant_tile
+    w_NxK = decode(p_NxKh, s_NxKb, dy_MxN.dtype)
     return acc_KxM + jax.lax.dot_general(w_NxK, dy_MxN, (((0,), (1,)), ((), ())),
                                          preferred_element_type=jnp.float32)
 
   acc_KxM = jax.lax.fori_loop(0, steps_per_split, body, jnp.zeros((block_k, block_m), jnp.float32))
-  dx_MxK = acc_KxM.T * nvfp4_tile.output_multiplier(gs_ref[0])
+  dx_MxK = acc_KxM.T * nvfp4_tile.output_multiplier(gs_ref[0], dequant)
   mask = row_mask[:, None]
   if split == 1:
     plgpu.store(o_ref.at[pl.ds(pid_m * block_m, block_m), pl.ds(k0, block_k)],
@@ -81,7 +83,8 @@ def nvfp4_matmul_bwd_pallas(dy_MxN: jax.Array, packed_NxKh: jax.Array, scale_NxK
   split = pl.cdiv(steps, steps_per_split)  # no split left without work
   kernel = functools.partial(
       nvfp4_matmul_bwd_kernel, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
-      steps_per_split=steps_per_split, group_m=cfg.group_m, split=split)
+      steps_per_split=steps_per_split, group_m=cfg.group_m, split=split,
+      dequant="jnp" if interpret else cfg.dequant)
   if split == 1:
     out_shape = jax.ShapeDtypeStruct((m, k), dy_MxN.dtype)
   else:

@@ -34,7 +34,8 @@ def _tile_ids(pid, num_m: int, num_n: int, group_m: int):
 
 
 def nvfp4_matmul_fwd_kernel(x_ref, packed_ref, scale_ref, gs_ref, o_ref, *, block_m: int, block_n: int,
-                            block_k: int, k_per_split: int, group_m: int, split: int):
+                            block_k: int, k_per_split: int, group_m: int, split: int,
+                            dequant: str = "jnp"):
   """One [block_m, block_n] output tile over one contraction split.
 
   x_ref [M, K]; packed_ref uint8 [N, K/2]; scale_ref e4m3 [N, K/16]; gs_ref f32 [1];
@@ -63,13 +64,14 @@ def nvfp4_matmul_fwd_kernel(x_ref, packed_ref, scale_ref, gs_ref, o_ref, *, bloc
     s_NxKb = plgpu.load(
         scale_ref.at[pl.ds(pid_n * block_n, block_n), pl.ds(k0 // 16, block_k // 16)],
         mask=col_mask[:, None], other=0.0)
-    w_NxK = nvfp4_tile.dequant_tile(p_NxKh, s_NxKb, x_MxK.dtype)
+    decode = nvfp4_tile.dequant_tile_asm if dequant == "asm" else nvfp4_tile.dequant_tile
+    w_NxK = decode(p_NxKh, s_NxKb, x_MxK.dtype)
     return acc_NxM + jax.lax.dot_general(w_NxK, x_MxK, (((1,), (1,)), ((), ())),
                                          preferred_element_type=jnp.float32)
 
   acc_NxM = jax.lax.fori_loop(0, k_per_split // block_k, body,
                               jnp.zeros((block_n, block_m), jnp.float32))
-  y_MxN = acc_NxM.T * nvfp4_tile.output_multiplier(gs_ref[0])
+  y_MxN = acc_NxM.T * nvfp4_tile.output_multiplier(gs_ref[0], dequant)
   mask = row_mask[:, None] & col_mask[None, :]
   if split == 1:
     plgpu.store(o_ref.at[pl.ds(pid_m * block_m, block_m), pl.ds(pid_n * block_n, block_n)],
@@ -95,7 +97,8 @@ def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb
   num_n = pl.cdiv(n, cfg.block_n)
   kernel = functools.partial(
       nvfp4_matmul_fwd_kernel, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
-      k_per_split=k // cfg.split, group_m=cfg.group_m, split=cfg.split)
+      k_per_split=k // cfg.split, group_m=cfg.group_m, split=cfg.split,
+      dequant="jnp" if interpret else cfg.dequant)
   if cfg.split == 1:
     out_shape = jax.ShapeDtypeStruct((m, n), x_MxK.dtype)
   else:

@@ -45,9 +45,56 @@ def dequant_tile(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype) -> jax.Ar
   return w.reshape(r, kt)
 
 
-def output_multiplier(global_scale: jax.Array) -> jax.Array:
+def output_multiplier(global_scale: jax.Array, method: str = "jnp") -> jax.Array:
   """The float32 factor that turns an accumulator over ``dequant_tile`` products into the true product."""
-  return jnp.float32(CODE_DIVISOR) / global_scale.astype(jnp.float32)
+  divisor = CODE_DIVISOR if method == "jnp" else 1.0
+  return jnp.float32(divisor) / global_scale.astype(jnp.float32)
+
+
+# PTX for 4 packed bytes ($2) and their 4 block scales ($3, $4: pairs of 16-bit floats) -> the 4 low (or
+# high) nibbles as two pairs of 16-bit floats ($0, $1) equal to E2M1[code] * scale exactly. prmt spreads
+# bytes 0,1 (then 2,3) into the two 16-bit halves; shifts and masks put the sign at bit 15 and the two
+# exponent bits + mantissa bit at the bottom of the float's exponent / top of its mantissa, which reads as
+# E2M1 * 2**-BIAS including the subnormal code 0.5; one fma by 2**BIAS restores it (exact: 16-bit float
+# arithmetic keeps subnormals), one by the scale applies the block scale (exact, see above).
+# (Pallas lowers only single-result inline asm, hence one call per nibble.)
+_ASM = """{{
+.reg .b32 t0, t1, a, b, c, z;
+mov.b32 c, {pow2};
+mov.b32 z, 0x80008000;
+prmt.b32 t0, $2, 0, 0x4140;
+prmt.b32 t1, $2, 0, 0x4342;
+shl.b32 a, t0, {sign_shift}; and.b32 a, a, 0x80008000; shl.b32 b, t0, {em_shift}; and.b32 b, b, {em_mask}; or.b32 $0, a, b;
+shl.b32 a, t1, {sign_shift}; and.b32 a, a, 0x80008000; shl.b32 b, t1, {em_shift}; and.b32 b, b, {em_mask}; or.b32 $1, a, b;
+fma.rn.{ty} $0, $0, c, z; fma.rn.{ty} $1, $1, c, z;
+fma.rn.{ty} $0, $0, $3, z; fma.rn.{ty} $1, $1, $4, z;
+}}"""
+_ASM_BY_DTYPE = {
+  # bf16: exponent/mantissa bits at 8..6, value E2M1 * 2**-126; 0x7E80 is 2**126.
+  ("bfloat16", "lo"): _ASM.format(pow2="0x7E807E80", sign_shift=12, em_shift=6, em_mask="0x01C001C0",
+                                  ty="bf16x2"),
+  ("bfloat16", "hi"): _ASM.format(pow2="0x7E807E80", sign_shift=8, em_shift=2, em_mask="0x01C001C0",
+                                  ty="bf16x2"),
+  # fp16: exponent/mantissa bits at 11..9, value E2M1 * 2**-14; 0x7400 is 2**14.
+  ("float16", "lo"): _ASM.format(pow2="0x74007400", sign_shift=12, em_shift=9, em_mask="0x0E000E00",
+                                 ty="f16x2"),
+  ("float16", "hi"): _ASM.format(pow2="0x74007400", sign_shift=8, em_shift=5, em_mask="0x0E000E00",
+                                 ty="f16x2"),
+}
+
+
+def dequant_tile_asm(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype) -> jax.Array:
+  """Like ``dequant_tile`` but decodes with inline PTX (GPU only), returning E2M1[code] * scale exactly."""
+  from jax.experimental.pallas import triton as plgpu
+
+  r, kh = packed_RxKh.shape
+  dtype = jnp.dtype(dtype)
+  scale = scale_RxKb.astype(dtype)
+  scale_RxKh = jnp.broadcast_to(scale[:, :, None], (r, kh // 8, 8)).reshape(r, kh)
+  lo, hi = (plgpu.elementwise_inline_asm(
+      _ASM_BY_DTYPE[(dtype.name, half)], args=[packed_RxKh, scale_RxKh], constraints="=r,=r,r,r,r",
+      pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct((r, kh), dtype)])[0] for half in ("lo", "hi"))
+  return jnp.stack([lo, hi], axis=-1).reshape(r, 2 * kh)
 
 
 def drop_poison_ref(kernel, *refs):
