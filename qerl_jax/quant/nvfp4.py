@@ -28,6 +28,7 @@ E2M1_MAX = 6.0
 ZERO_SCALE_REPLACEMENT = 0.125
 
 
+@jax.jit
 def global_scale(w: jax.Array) -> jax.Array:
   """float32[1] quantize-direction global scale 448 * 6 / amax(|w|), evaluated as PyTorch does.
 
