@@ -165,39 +165,38 @@ def schemes_for(config: ModelConfig, quant: str) -> dict[str, str | None]:
 
 def random_base(config: ModelConfig, key: jax.Array, quant: str = "bf16", *, std: float = 0.02,
                 dtype=None) -> dict[str, Any]:
-  """A random base (normal weights of `std`, norm scales near 1, small biases), quantized per `quant`.
-
-  For tests and synthetic benchmarks; layers are drawn and quantized one at a time like a loader does.
+  """A random base (normal weights of `std`, embedding std 1, norm scales near 1, small biases), quantized
+  per `quant`. For tests and synthetic benchmarks; layers are drawn and quantized one at a time like a
+  loader does. Draws come from a NumPy generator seeded by `key` (typed or legacy uint32 key): on CPU
+  each eager jax.random call of a new shape costs a compile, which dominated small tests.
   """
   dtype = jnp.dtype(dtype or config.dtype)
+  data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+  rng = np.random.default_rng(np.asarray(data, np.uint32).ravel().tolist())
   schemes = schemes_for(config, quant)
   base = empty_base(config, schemes, dtype=dtype)
   shapes = proj_shapes(config)
-  keys = iter(jax.random.split(key, 8 + config.num_layers * 16))
   layers = base["layers"]
+
+  def normal(shape, scale, out_dtype):
+    return jnp.asarray((scale * rng.standard_normal(shape, np.float32)).astype(out_dtype))
+
   for name in ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"):
     if name in layers:
-      shape = layers[name].shape
-      layers[name] = 1.0 + 0.1 * jax.random.normal(next(keys), shape, jnp.float32)
+      layers[name] = 1.0 + normal(layers[name].shape, 0.1, np.float32)
   for layer in range(config.num_layers):
     for group in FUSED_GROUPS:
-      ws = [(std * jax.random.normal(next(keys), shapes[name][::-1], jnp.float32)).astype(dtype)
-            for name in group]
+      ws = [normal(shapes[name][::-1], std, dtype) for name in group]
       out = put_group([layers[name]["w"] for name in group], layer, ws, [schemes[name] for name in group],
                       dtype, list(group))
       for name, w in zip(group, out):
         layers[name]["w"] = w
   for name in PROJ_NAMES:
     if "b" in layers[name]:
-      shape = layers[name]["b"].shape
-      layers[name]["b"] = (0.1 * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+      layers[name]["b"] = normal(layers[name]["b"].shape, 0.1, dtype)
   vd = (config.vocab_size, config.hidden_size)
-  base["embed_tokens"] = jax.random.normal(next(keys), vd, jnp.float32).astype(dtype)
-  base["norm"] = 1.0 + 0.1 * jax.random.normal(next(keys), (config.hidden_size,), jnp.float32)
+  base["embed_tokens"] = normal(vd, 1.0, dtype)
+  base["norm"] = 1.0 + normal((config.hidden_size,), 0.1, np.float32)
   if "lm_head" in base:
-    base["lm_head"] = (std * jax.random.normal(next(keys), vd, jnp.float32)).astype(dtype)
+    base["lm_head"] = normal(vd, std, dtype)
   return base
-
-
-def as_numpy(x: Any) -> np.ndarray:
-  return np.asarray(jax.device_get(x))

@@ -141,10 +141,21 @@ def init_lora(key: jax.Array, num_layers: int, k: int, n: int, cfg: LoraConfig) 
 
   PEFT's kaiming_uniform_(a=sqrt(5)) on lora_A.weight [r, K] has bound sqrt(6 / ((1 + 5) K)) = 1/sqrt(K).
   """
-  bound = 1.0 / (k ** 0.5)
-  a = jax.random.uniform(key, (num_layers, k, cfg.rank), jnp.float32, -bound, bound).astype(cfg.dtype)
-  b = jnp.zeros((num_layers, cfg.rank, n), cfg.dtype)
-  return a, b
+  return init_loras(key, ((num_layers, k, n),), cfg)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("shapes", "cfg"))
+def init_loras(key: jax.Array, shapes: tuple[tuple[int, int, int], ...], cfg: LoraConfig):
+  """`init_lora` for several (L, K, N) projections in one compiled program."""
+  # One uniform draw sliced into the A's: a single RNG op compiles far faster than one per projection.
+  sizes = [num_layers * k * cfg.rank for num_layers, k, _ in shapes]
+  u = jax.random.uniform(key, (sum(sizes),), jnp.float32, -1.0, 1.0)
+  out, start = [], 0
+  for size, (num_layers, k, n) in zip(sizes, shapes):
+    a = (u[start:start + size] / (k ** 0.5)).reshape(num_layers, k, cfg.rank).astype(cfg.dtype)
+    out.append((a, jnp.zeros((num_layers, cfg.rank, n), cfg.dtype)))
+    start += size
+  return tuple(out)
 
 
 class Projection(nnx.Module):

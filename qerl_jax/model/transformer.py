@@ -33,7 +33,7 @@ from flax import nnx
 
 from qerl_jax.model import attention as attn
 from qerl_jax.model.config import ModelConfig
-from qerl_jax.model.linear import PROJ_NAMES, Frozen, LoraConfig, Projection, init_lora, linear, logical_shape
+from qerl_jax.model.linear import PROJ_NAMES, Frozen, LoraConfig, Projection, init_loras, linear, logical_shape
 
 NOISE_KEYS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
 # RMSNorm scales that `train_norms=True` makes trainable: the block norms, as the QeRL authors train.
@@ -146,6 +146,9 @@ def forward(params: dict[str, Any], config: ModelConfig, lora_scale: float, toke
   return out, {"k": kv[0], "v": kv[1]}
 
 
+_forward_jit = jax.jit(forward, static_argnums=(1, 2), static_argnames=("return_hidden",))
+
+
 def _lm_head(params: dict[str, Any]) -> jax.Array:
   return params["lm_head"] if params.get("lm_head") is not None else params["embed_tokens"]
 
@@ -160,14 +163,9 @@ class Block(nnx.Module):
         setattr(self, name, kind(layers[name]))
       else:
         setattr(self, name, None)
-    keys = jax.random.split(key, len(PROJ_NAMES))
-    for name, k in zip(PROJ_NAMES, keys):
-      w = layers[name]["w"]
-      adapter = None
-      if lora is not None and name in lora.targets:
-        kk, nn = logical_shape(w)
-        adapter = init_lora(k, _num_layers(w), kk, nn, lora)
-      setattr(self, name, Projection(w, layers[name].get("b"), adapter))
+    adapters = _fresh_adapters(key, {name: layers[name]["w"] for name in PROJ_NAMES}, lora)
+    for name in PROJ_NAMES:
+      setattr(self, name, Projection(layers[name]["w"], layers[name].get("b"), adapters.get(name)))
 
   def params(self) -> dict[str, Any]:
     p = {name: getattr(self, name).params() for name in PROJ_NAMES}
@@ -179,6 +177,15 @@ class Block(nnx.Module):
 
 def _num_layers(w: Any) -> int:
   return jax.tree.leaves(w)[0].shape[0]
+
+
+def _fresh_adapters(key: jax.Array, weights: dict[str, Any], lora: LoraConfig | None):
+  """{name: (A, B)} PEFT-style initial adapters for the targeted projections (one compiled program)."""
+  if lora is None:
+    return {}
+  names = [name for name in PROJ_NAMES if name in lora.targets]
+  shapes = tuple((_num_layers(weights[n]),) + tuple(logical_shape(weights[n])) for n in names)
+  return dict(zip(names, init_loras(key, shapes, lora)))
 
 
 class Transformer(nnx.Module):
@@ -213,7 +220,9 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BxT, positions_BxT=None, *, cache=None, cache_index=None, valid_BxS=None,
                norm_noise=None, return_hidden=False):
-    return forward(self.params(), self.config, self.lora_scale, tokens_BxT, positions_BxT, cache=cache,
+    # Jitted even when called eagerly (one compile per shape instead of one per op); inside an outer
+    # jit it is simply inlined.
+    return _forward_jit(self.params(), self.config, self.lora_scale, tokens_BxT, positions_BxT, cache=cache,
                    cache_index=cache_index, valid_BxS=valid_BxS, norm_noise=norm_noise,
                    return_hidden=return_hidden)
 
@@ -229,17 +238,11 @@ class Transformer(nnx.Module):
                adapters: dict[str, tuple[jax.Array, jax.Array]] | None = None) -> None:
     """Replaces the adapters: fresh PEFT-style init from `key`, or the given {name: (A [L,K,r], B [L,r,N])}."""
     self.lora = lora
-    keys = jax.random.split(key if key is not None else jax.random.key(0), len(PROJ_NAMES))
-    for name, k in zip(PROJ_NAMES, keys):
-      proj = getattr(self.layers, name)
-      if lora is None or name not in lora.targets:
-        proj.set_lora(None)
-        continue
-      if adapters is not None:
-        proj.set_lora(adapters[name])
-      else:
-        kk, nn = logical_shape(proj.weight.get_value())
-        proj.set_lora(init_lora(k, self.config.num_layers, kk, nn, lora))
+    if adapters is None:
+      weights = {name: getattr(self.layers, name).weight.get_value() for name in PROJ_NAMES}
+      adapters = _fresh_adapters(key if key is not None else jax.random.key(0), weights, lora)
+    for name in PROJ_NAMES:
+      getattr(self.layers, name).set_lora(adapters.get(name) if lora is not None and name in lora.targets else None)
 
 
 def split_params(model: Transformer):

@@ -1,0 +1,186 @@
+"""The forward contract: KV-cache decoding, left padding, AQN norm noise, remat, trainable/frozen split."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from qerl_jax.model import (
+  LoraConfig, ModelConfig, Transformer, base_matmul, init_cache, random_base, split_params,
+)
+from qerl_jax.model.testing import fresh_seed
+
+
+def tiny_config(**kw):
+  # Qwen3-style q/k norms plus q/k/v biases (a superset no real family has) so one small config
+  # exercises every optional path; each distinct config costs compiles, so the tests share it.
+  base = dict(arch="qwen3", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+              num_kv_heads=2, head_dim=16, rope_theta=10000.0, dtype="float32", qkv_bias=True, qk_norm=True)
+  base.update(kw)
+  return ModelConfig(**base)
+
+
+def random_model(config, seed, *, lora=True, train_norms=False, quant="bf16"):
+  base = random_base(config, jax.random.key(seed), quant)
+  lora_cfg = LoraConfig(rank=4, alpha=8) if lora else None
+  model = Transformer(config, base, lora=lora_cfg, train_norms=train_norms, rngs=nnx.Rngs(seed + 1))
+  if lora:  # nonzero B so the adapters take part
+    rng = np.random.default_rng(seed + 1)
+    for name in lora_cfg.targets:
+      proj = getattr(model.layers, name)
+      proj.lora_b.set_value(jnp.asarray(0.1 * rng.standard_normal(proj.lora_b.get_value().shape, np.float32)))
+  return model
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _step(graphdef, state, tokens, positions, cache, index, valid):
+  model = nnx.merge(graphdef, state)
+  return model(tokens, positions, cache=cache, cache_index=index, valid_BxS=valid)
+
+
+@pytest.fixture(scope="module")
+def model_and_seed():
+  seed = fresh_seed()
+  return random_model(tiny_config(), seed), seed
+
+
+def test_prefill_and_decode_with_cache_equal_full_forward_on_left_padded_rows(model_and_seed):
+  model, seed = model_and_seed
+  config = model.config
+  rng = np.random.default_rng(seed)
+  lengths = [9, 6]  # row 1 is left-padded by 3 in the prompt
+  prompt_len, steps = 9, 4
+  seqs = [rng.integers(0, config.vocab_size, n + steps) for n in lengths]
+  # Reference: each row unpadded from position 0, full causal forward (right padding is invisible to
+  # the real tokens before it).
+  right_padded = np.zeros((2, max(lengths) + steps), np.int32)
+  for b, s in enumerate(seqs):
+    right_padded[b, :len(s)] = s
+  refs = np.asarray(model(jnp.asarray(right_padded)))
+
+  prompt = np.zeros((2, prompt_len), np.int32)
+  valid = np.zeros((2, prompt_len + steps), bool)
+  for b, (s, n) in enumerate(zip(seqs, lengths)):
+    prompt[b, prompt_len - n:] = s[:n]
+    valid[b, prompt_len - n:] = True
+  positions = np.maximum(np.cumsum(valid[:, :prompt_len], axis=1) - 1, 0)
+  graphdef, state = nnx.split(model)
+  cache = init_cache(config, 2, prompt_len + steps, jnp.float32)
+  logits, cache = _step(graphdef, state, jnp.asarray(prompt), jnp.asarray(positions), cache, 0, jnp.asarray(valid))
+  for b, n in enumerate(lengths):
+    np.testing.assert_allclose(np.asarray(logits[b, prompt_len - n:]), refs[b][:n], rtol=2e-4, atol=2e-4,
+                               err_msg=f"prefill row {b} {seed=}")
+  for i in range(steps):
+    tokens = np.array([[s[n + i]] for s, n in zip(seqs, lengths)], np.int32)
+    pos = np.array([[n + i] for n in lengths], np.int32)
+    logits, cache = _step(graphdef, state, jnp.asarray(tokens), jnp.asarray(pos), cache, prompt_len + i,
+                          jnp.asarray(valid))
+    for b, n in enumerate(lengths):
+      np.testing.assert_allclose(np.asarray(logits[b, 0]), refs[b][n + i], rtol=2e-4, atol=2e-4,
+                                 err_msg=f"decode step {i} row {b} {seed=}")
+  assert cache["k"].shape == (2, 2, prompt_len + steps, 2, 16)
+
+
+def test_valid_mask_without_cache_matches_unpadded_rows(model_and_seed):
+  model, seed = model_and_seed
+  config = model.config
+  rng = np.random.default_rng(seed)
+  seq = rng.integers(0, config.vocab_size, 10)
+  # Row 0 is the sequence itself; row 1 the first 7 tokens after 3 pads (garbage ids, masked out).
+  padded = np.stack([seq, np.concatenate([rng.integers(0, config.vocab_size, 3), seq[:7]])])
+  valid = np.ones((2, 10), bool)
+  valid[1, :3] = False
+  positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0)
+  out = np.asarray(model(jnp.asarray(padded), jnp.asarray(positions), valid_BxS=jnp.asarray(valid)))
+  ref = np.asarray(model(jnp.asarray(seq)[None]))
+  np.testing.assert_allclose(out[0], ref[0], rtol=2e-4, atol=2e-4, err_msg=f"{seed=}")
+  np.testing.assert_allclose(out[1, 3:], ref[0, :7], rtol=2e-4, atol=2e-4, err_msg=f"{seed=}")
+  assert np.all(np.isfinite(out))  # padded queries attend to nothing: finite, not NaN
+
+
+def test_hidden_states_and_lm_head_give_the_logits():
+  seed = fresh_seed()
+  model = random_model(tiny_config(tie_word_embeddings=True), seed, lora=False)
+  tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 128, (2, 6)))
+  h = model(tokens, return_hidden=True)
+  assert h.shape == (2, 6, 64)
+  np.testing.assert_allclose(np.asarray(model.lm_head_logits(h)), np.asarray(model(tokens)), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(model.lm_head_weight()), np.asarray(model.embed_tokens.get_value()))
+
+
+def _with_scaled_norms(model, noise):
+  """The same model with the noise folded into its norm scales (the AQN definition)."""
+  other = nnx.clone(model)
+  for key, value in noise.items():
+    var = getattr(other.layers, key)
+    var.set_value(var.get_value() + value)
+  return other
+
+
+def test_norm_noise_is_added_to_the_norm_scales_in_float32():
+  seed = fresh_seed()
+  config = tiny_config(dtype="bfloat16")
+  model = random_model(config, seed)
+  key = jax.random.key(seed)
+  k1, k2, k3 = jax.random.split(key, 3)
+  noise = {"input_layernorm": 0.05 * jax.random.normal(k1, (2, 64)),
+           "post_attention_layernorm": 0.05 * jax.random.normal(k2, (2, 64)),
+           "q_norm": 0.05 * jax.random.normal(k3, (2, 16))}
+  tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 128, (2, 7)))
+  noisy = np.asarray(model(tokens, norm_noise=noise))
+  folded = np.asarray(_with_scaled_norms(model, noise)(tokens))
+  np.testing.assert_array_equal(noisy, folded, err_msg=f"{seed=}")
+  clean = np.asarray(model(tokens))
+  assert np.abs(noisy - clean).max() > 1e-3  # the noise reached the output
+  # A tiny sigma survives: in bf16 the add 1 + 1e-4 would round away entirely.
+  tiny = {key: jnp.full_like(value, 1e-4 if key == "input_layernorm" else 0.0) for key, value in noise.items()}
+  assert np.abs(np.asarray(model(tokens, norm_noise=tiny)) - clean).max() > 0
+  with pytest.raises(ValueError, match="norm_noise key 'bogus'"):
+    model(tokens, norm_noise={"bogus": noise["q_norm"]})
+  with pytest.raises(ValueError, match="expected \\(2, 64\\)"):
+    model(tokens, norm_noise={"input_layernorm": noise["q_norm"]})
+
+
+def test_split_params_separates_adapters_and_norms_and_remat_gives_the_same_gradients():
+  seed = fresh_seed()
+  config = tiny_config()
+  model = random_model(config, seed, train_norms=True, quant="nvfp4")
+  graphdef, trainable, frozen = split_params(model)
+  paths = {"/".join(str(getattr(k, "key", k)) for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(
+    nnx.to_pure_dict(trainable))}
+  expected = {f"layers/{n}/lora_{ab}" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj") for ab in "ab"}
+  expected |= {"layers/input_layernorm", "layers/post_attention_layernorm"}
+  assert paths == expected
+  assert any(x.dtype == jnp.uint8 for x in jax.tree.leaves(frozen))  # the packed NVFP4 base is frozen
+  remat = Transformer(config.replace(remat=True), model.params(), lora=model.lora, train_norms=True)
+  remat_graphdef = split_params(remat)[0]
+  tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 128, (2, 5)))
+
+  def loss(gd, t, f):
+    return jnp.mean(jax.nn.log_softmax(nnx.merge(gd, t, f)(tokens))[..., :3])
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)
+  l0, g0 = grad(graphdef, trainable, frozen)
+  l1, g1 = grad(remat_graphdef, trainable, frozen)
+  np.testing.assert_allclose(float(l0), float(l1), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+    assert np.abs(np.asarray(a)).sum() > 0  # every trainable leaf gets a gradient
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4", "nf4"])
+def test_base_matmul_equals_dot_with_the_dequantized_weight(scheme):
+  from qerl_jax import quant
+  seed = fresh_seed()
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  w = (0.05 * jax.random.normal(k1, (64, 48))).astype(jnp.bfloat16)
+  x = jax.random.normal(k2, (2, 3, 64), jnp.float32)
+  q = quant.quantize(w, scheme)
+  w_hat = np.asarray(quant.dequantize(q, jnp.float32), np.float64)
+  ref = np.asarray(x, np.float64) @ w_hat
+  np.testing.assert_allclose(np.asarray(base_matmul(x, q)), ref, rtol=1e-4, atol=1e-5, err_msg=f"{seed=}")
+  assert np.abs(w_hat - np.asarray(w, np.float64)).max() > 0  # it really is quantized
