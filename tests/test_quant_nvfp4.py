@@ -122,3 +122,21 @@ def test_quantize_is_jittable_and_matches_eager():
   for a, b in zip(jax.tree_util.tree_leaves(jitted), jax.tree_util.tree_leaves(eager)):
     np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
   assert quant.dequantize(jitted).shape == (96, 48)
+
+
+@pytest.mark.slow
+def test_many_seeds_all_dtypes_nvfp4_and_mxfp4():
+  """Long sweep (run by hand: pytest -m slow): 40 seeds x 3 shapes x bf16/fp16/fp32, both FP4 formats."""
+  from test_quant_ct_reference import ct_mxfp4  # pylint: disable=import-outside-toplevel
+  base = _fresh_seed()
+  for i in range(40):
+    for np_dtype in (ml_dtypes.bfloat16, np.float16, np.float32):
+      for shape, std in (((48, 96), 0.02), ((64, 256), 3e-3), ((40, 160), 250.0)):
+        seed = base + i
+        w = _adversarial_weight(np.random.default_rng(seed), *shape, std, np_dtype)
+        wt = to_torch(w) if np_dtype != np.float16 else torch.from_numpy(w)
+        for scheme, ref in (("nvfp4", ct_nvfp4(wt)), ("mxfp4", ct_mxfp4(wt))):
+          mine = quant.to_ct_tensors(quant.quantize_NxK(jnp.asarray(w), scheme))
+          for key in ref:
+            np.testing.assert_array_equal(mine[key].view(np.uint8), ref[key].view(np.uint8),
+                                          err_msg=f"{seed=} {scheme} {np_dtype} {shape} {key}")

@@ -70,8 +70,14 @@ def quantize_codes(w_NxK: jax.Array, scale_NxKb: jax.Array) -> jax.Array:
   # Dividing by a power of two is a multiply by its inverse, exact in float32 for normal results.
   inv = _pow2_f32(E8M0_BIAS - scale_NxKb.astype(jnp.int32))[:, :, None]
   y = e2m1.round_to_dtype(w_blocks.astype(jnp.float32) * inv, w_NxK.dtype)
+  # PyTorch takes the sign from y: a quotient that underflows to zero in the weight dtype is unsigned.
+  # That is reachable for float16 (smallest subnormal 2^-24); for bf16 / fp32 it would need subnormal
+  # weights, which XLA:CPU reads as zero, so there the sign comes from w's bits alone.
+  negative = e2m1.is_negative(w_blocks)
+  if jnp.dtype(w_NxK.dtype) == jnp.dtype(jnp.float16):
+    negative = negative & (y != 0)
   y = jnp.clip(y, -E2M1_MAX, E2M1_MAX)
-  return e2m1.e2m1_codes(y, e2m1.is_negative(w_blocks)).reshape(n, k)
+  return e2m1.e2m1_codes(y, negative).reshape(n, k)
 
 
 @jax.jit

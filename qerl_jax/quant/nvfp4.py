@@ -74,6 +74,8 @@ def quantize_codes(w_NxK: jax.Array, scale_NxKb: jax.Array, gs: jax.Array) -> ja
   w_blocks = w_NxK.reshape(n, nb, NVFP4_BLOCK)
   # y = w / eff (not w * gs / s: the two round differently).
   y = jnp.clip(e2m1.div_exact(w_blocks.astype(jnp.float32), eff), -E2M1_MAX, E2M1_MAX)
+  # The sign is read from w's bits (see is_negative): a float32 quotient w / eff cannot underflow
+  # to zero for any real weight, while reading y would lose the sign of subnormal bf16 weights.
   codes = e2m1.e2m1_codes(y, e2m1.is_negative(w_blocks))
   return codes.reshape(n, k)
 
