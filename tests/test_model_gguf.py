@@ -1,0 +1,97 @@
+"""GGUF: the real SmolLM2-135M-Instruct file against transformers loading the same file; bad GGUF input."""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from qerl_jax.assets import smollm2_gguf_path
+from qerl_jax.model.gguf_io import unpermute_rows
+from qerl_jax.model.loading import from_pretrained
+from qerl_jax.model.testing import fresh_seed, hf_logits
+
+PROMPTS = [
+  "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many",
+  "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) +",
+  "The capital of France is Paris, and the capital of Germany is Berlin. Both cities are known for their",
+]
+
+
+def test_smollm2_gguf_top1_agrees_with_transformers():
+  path = smollm2_gguf_path()
+  model, tokenizer = from_pretrained(path, quant="bf16", dtype=jnp.float32, lora_rank=None)
+  assert model.config.arch == "llama" and model.config.num_layers == 30 and model.config.tie_word_embeddings
+  assert model.config.num_kv_heads == 3 and model.config.rope_theta == 100000.0
+  hf = transformers.AutoModelForCausalLM.from_pretrained(
+    os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+  agree, total = 0, 0
+  for prompt in PROMPTS:
+    ids = np.asarray(tokenizer(prompt)["input_ids"])[None]
+    assert 20 <= ids.shape[1] <= 40
+    ref = hf_logits(hf, ids)
+    out = np.asarray(model(jnp.asarray(ids)))
+    agree += int((out.argmax(-1) == ref.argmax(-1)).sum())
+    total += ids.shape[1]
+    # Same dequantized weights, float32 on both sides: far tighter than the top-1 criterion.
+    assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max(), prompt
+  assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"
+
+
+def test_unpermute_rows_inverts_the_llama_cpp_permutation():
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  for heads, head_dim in ((4, 8), (3, 64)):
+    w = rng.standard_normal((heads * head_dim, 5)).astype(np.float32)
+    # llama.cpp's convert script: per head, rows (half, pair) -> (pair, half).
+    permuted = w.reshape(heads, 2, head_dim // 2, 5).swapaxes(1, 2).reshape(w.shape)
+    assert not np.array_equal(permuted, w)
+    np.testing.assert_array_equal(unpermute_rows(permuted, heads), w, err_msg=f"{seed=}")
+
+
+def _write_gguf(path, arch="llama", weight_type=None):
+  """A tiny GGUF with one layer; `weight_type` sets the quant type of attn_q (raw bytes)."""
+  import gguf
+  writer = gguf.GGUFWriter(str(path), arch)
+  writer.add_block_count(1)
+  writer.add_context_length(64)
+  writer.add_embedding_length(32)
+  writer.add_feed_forward_length(64)
+  writer.add_head_count(2)
+  writer.add_head_count_kv(2)
+  writer.add_layer_norm_rms_eps(1e-6)
+  writer.add_rope_freq_base(10000.0)
+  rng = np.random.default_rng(0)
+  shapes = {"token_embd.weight": (16, 32), "output_norm.weight": (32,), "blk.0.attn_norm.weight": (32,),
+            "blk.0.ffn_norm.weight": (32,), "blk.0.attn_q.weight": (32, 32), "blk.0.attn_k.weight": (32, 32),
+            "blk.0.attn_v.weight": (32, 32), "blk.0.attn_output.weight": (32, 32),
+            "blk.0.ffn_gate.weight": (64, 32), "blk.0.ffn_up.weight": (64, 32), "blk.0.ffn_down.weight": (32, 64)}
+  for name, shape in shapes.items():
+    if name == "blk.0.attn_q.weight" and weight_type is not None:
+      block, nbytes = gguf.GGML_QUANT_SIZES[weight_type]
+      raw = rng.integers(0, 255, (shape[0], shape[1] // block * nbytes), dtype=np.uint8)
+      writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=weight_type)
+    else:
+      writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+def test_gguf_unsupported_quant_type_and_architecture_are_clear_errors(tmp_path):
+  import gguf
+  good = tmp_path / "good.gguf"
+  _write_gguf(good)
+  model, _ = from_pretrained(str(good), quant="bf16", dtype=jnp.float32, lora_rank=None, load_tokenizer=False)
+  assert model.config.vocab_size == 16 and model.config.tie_word_embeddings
+  bad = tmp_path / "q8_1.gguf"
+  _write_gguf(bad, weight_type=gguf.GGMLQuantizationType.Q8_1)  # gguf-py has no Q8_1 dequantizer
+  with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight.*Q8_1"):
+    from_pretrained(str(bad), quant="bf16", lora_rank=None, load_tokenizer=False)
+  other = tmp_path / "gpt2.gguf"
+  _write_gguf(other, arch="gpt2")
+  with pytest.raises(ValueError, match="unsupported GGUF architecture arch='gpt2'"):
+    from_pretrained(str(other), quant="bf16", lora_rank=None, load_tokenizer=False)
