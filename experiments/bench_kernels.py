@@ -212,7 +212,11 @@ def _bucket(direction, rows):
 
 
 def _ab_decoders(f, key, bf16_cache, bw, commit, device):
-  """Times the jnp and asm tile decoders on the same tiles; returns {(direction, small_rows): decoder}."""
+  """Times the jnp and asm tile decoders on the same tiles; returns {(direction, small_rows): decoder}.
+
+  A decoder that fails the float32 check counts as infinitely slow, so a broken one is never chosen.
+  """
+  os.environ["QERL_KERNELS_EXPERIMENTAL_ASM"] = "1"
   total = {}
   for layer in ("gate_up", "down"):
     k, n = MODELS["7b"][layer]

@@ -18,30 +18,16 @@ import numpy as np
 from kernels import config as config_lib
 from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
 from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
+from qerl_jax import quant
 from qerl_jax.quant.types import NVFP4_BLOCK, NVFP4Tensor
 
 IMPLEMENTATIONS = ("pallas", "triton", "xla")
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def _dequantize(q: NVFP4Tensor, dtype) -> jax.Array:
-  """dequantize(q, dtype) from qerl_jax.quant (the project's one dequantizer), [K, N]."""
-  from qerl_jax import quant  # late: quant may import heavier modules
-  if hasattr(quant, "dequantize"):
-    return quant.dequantize(q, dtype)
-  # Until qerl_jax.quant.dequantize lands: the NVFP4.md formula, float32 divide first, one rounding.
-  p = q.packed_NxKh
-  codes = jnp.stack([p & 15, p >> 4], axis=-1).reshape(p.shape[0], -1)
-  mag = jnp.asarray(_E2M1, jnp.float32)[codes & 7]
-  vals = jnp.where(codes >= 8, -mag, mag)
-  eff = q.scale_NxKb.astype(jnp.float32) / q.global_scale.astype(jnp.float32)[0]
-  return (vals * jnp.repeat(eff, NVFP4_BLOCK, axis=1)).astype(dtype).T
 
 
 def nvfp4_matmul_reference(x: jax.Array, q: NVFP4Tensor) -> jax.Array:
   """The XLA reference: dequantize to x's dtype, then a plain dot. x [..., K] -> [..., N]."""
-  return jnp.matmul(x, _dequantize(q, x.dtype))
+  return jnp.matmul(x, quant.dequantize(q, x.dtype))
 
 
 def check_shapes(x_shape, x_dtype, q: NVFP4Tensor) -> tuple[int, int]:

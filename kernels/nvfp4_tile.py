@@ -84,7 +84,13 @@ _ASM_BY_DTYPE = {
 
 
 def dequant_tile_asm(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype) -> jax.Array:
-  """Like ``dequant_tile`` but decodes with inline PTX (GPU only), returning E2M1[code] * scale exactly."""
+  """Like ``dequant_tile`` but decodes with inline PTX (GPU only), returning E2M1[code] * scale exactly.
+
+  EXPERIMENTAL, KNOWN WRONG: on an H200 (jax 0.11.2, commit b65a594) kernels using it compiled but failed
+  the float32 check with relative error ~1. The bit logic is verified in NumPy (tests/test_kernels.py), so
+  the suspect is how Triton packs 8-bit / 16-bit elements into the asm's 32-bit registers for pack=4.
+  Guarded by QERL_KERNELS_EXPERIMENTAL_ASM=1 in ``Nvfp4MatmulConfig``.
+  """
   from jax.experimental.pallas import triton as plgpu
 
   r, kh = packed_RxKh.shape

@@ -222,3 +222,57 @@ def test_configs_fit_every_shape():
   # Few rows split the contraction so that ~2 programs per SM stream weights.
   cfg = config_lib.heuristic_config("fwd", 1, 3584, 3584)
   assert cfg.split > 1 and cfg.split * (3584 // cfg.block_n) >= 2 * 132
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_asm_decoder_bit_logic_in_numpy(dtype):
+  """Emulates the experimental PTX decoder's prmt/shift/mask steps for all 256 bytes (its constants are
+  read back from the asm text), so a wrong constant fails here even though CI cannot run the asm."""
+  import re
+  from kernels import nvfp4_tile
+
+  np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
+  b = np.arange(256, dtype=np.uint64)
+  t = b | (b << 16)  # what prmt 0x4140 makes of bytes (b, b): byte 0 -> bits 0..7, byte 1 -> bits 16..23
+  for half, nib in (("lo", b & 15), ("hi", b >> 4)):
+    asm = nvfp4_tile._ASM_BY_DTYPE[(dtype, half)]
+    (sign_shift, em_shift, em_mask), = set(re.findall(
+        r"shl\.b32 a, t0, (\d+); and\.b32 a, a, 0x80008000; shl\.b32 b, t0, (\d+); and\.b32 b, b, (0x\w+)",
+        asm))
+    pow2 = int(re.search(r"mov\.b32 c, (0x\w+)", asm).group(1), 16) & 0xFFFF
+    r = (((t << int(sign_shift)) & 0x80008000) | ((t << int(em_shift)) & int(em_mask, 16))) & 0xFFFFFFFF
+    mult = np.array([pow2], np.uint16).view(np_dtype).astype(np.float64)[0]
+    for part in (r & 0xFFFF, r >> 16):
+      got = part.astype(np.uint16).view(np_dtype).astype(np.float64) * mult
+      np.testing.assert_array_equal(got, E2M1[nib.astype(np.int64)])
+
+
+def test_asm_decoder_is_guarded(monkeypatch):
+  monkeypatch.delenv("QERL_KERNELS_EXPERIMENTAL_ASM", raising=False)
+  with pytest.raises(ValueError, match="experimental"):
+    Nvfp4MatmulConfig(dequant="asm")
+
+
+def test_quantized_bf16_weight_fwd_and_grad_match_reference(request):
+  """End to end on a real quantization (qerl_jax.quant.quantize) of a random bf16 weight."""
+  from qerl_jax import quant
+
+  rng = _rng(request)
+  k, n = 96, 80
+  w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.bfloat16)
+  q = quant.quantize(w, "nvfp4")
+  x = jnp.asarray(rng.standard_normal((2, 7, k)), jnp.bfloat16)
+  y = kernels.nvfp4_matmul(x, q, interpret=True)
+  w_KxN = np.asarray(quant.dequantize(q, jnp.float32)).astype(np.float64)
+  # Same bytes, same formula; theirs divides scale / global_scale in float32 first (one rounding).
+  np.testing.assert_allclose(w_KxN, _dequant_np(q), rtol=2.5e-7, atol=0)
+  _assert_close(y.reshape(14, n), x.reshape(14, k), w_KxN, jnp.bfloat16)
+  # Against the XLA reference (weight rounded to bf16 first) and quantization error vs the bf16 weight.
+  ref = np.asarray(kernels.nvfp4_matmul_reference(x, q).astype(jnp.float32))
+  bound = np.abs(np.asarray(x, np.float32)) @ np.abs(w_KxN)
+  assert np.all(np.abs(np.asarray(y, np.float32) - ref) <= 2**-7 * bound)
+  exact = np.asarray(x, np.float32).reshape(14, k) @ np.asarray(w, np.float32)
+  rel = np.linalg.norm(np.asarray(y, np.float32).reshape(14, n) - exact) / np.linalg.norm(exact)
+  assert rel < 0.15, rel  # NVFP4's own error on Gaussian weights is ~0.1 relative
+  g = jax.grad(lambda x: jnp.sum(kernels.nvfp4_matmul(x, q, interpret=True).astype(jnp.float32)))(x)
+  _assert_close(g.reshape(14, k), np.ones((14, n)), w_KxN.T, jnp.bfloat16)
