@@ -222,10 +222,11 @@ def test_k_not_divisible_succeeds_when_ignored(tmp_path):
   got = _read_all(out)
   assert isinstance(got["model.layers.0.mlp.up_proj.weight"], quant.NVFP4Tensor)
   assert got["model.layers.0.mlp.down_proj.weight"].shape == (64, 72)
-  # --overwrite replaces a finished output.
+  # A failing --overwrite run (down_proj no longer ignored) leaves the previous output intact.
   assert cli.main(["--model", model_dir, "--out", out, "--scheme", "nvfp4", "--overwrite",
-                   "--no-progress"]) == 2  # down_proj is no longer ignored
+                   "--no-progress"]) == 2
   assert isinstance(_read_all(out)["model.layers.0.mlp.up_proj.weight"], quant.NVFP4Tensor)
+  assert not _leftovers(str(tmp_path), "out")
 
 
 def test_module_entry_point_exit_code_and_stderr(tmp_path):
