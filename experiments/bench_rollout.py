@@ -102,8 +102,11 @@ def copy_bandwidth(gib: float = 4.0) -> float:
   return 2 * x.nbytes / statistics.median(times)
 
 
-def run_one(args) -> dict:
-  """One (model, quant, batch) in this process; returns the JSON record."""
+def run_one(args):
+  """One (model, quant) in this process, batches in ascending order; yields a JSON record per batch.
+
+  The model is built once; peak memory after each batch is that batch's (batches grow, so does the peak).
+  """
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -121,7 +124,18 @@ def run_one(args) -> dict:
   graphdef, state = nnx.split(model)
   weight_bytes = nbytes(base)
   del base
-  batch, prompt_len, new = args.batch, args.prompt_len, args.new_tokens
+  bw = copy_bandwidth() if jax.default_backend() == "gpu" else float("nan")
+  for batch in sorted(args.batches):
+    yield _time_rollout(args, config, graphdef, state, weight_bytes, bw, batch)
+
+
+def _time_rollout(args, config, graphdef, state, weight_bytes, bw, batch):
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from qerl_jax.rollout.engine import rollout
+  from qerl_jax.rollout.sampling import SamplingParams
+  prompt_len, new = args.prompt_len, args.new_tokens
   rng = np.random.default_rng(0)
   prompt = jnp.asarray(rng.integers(0, config.vocab_size, (batch, prompt_len)), jnp.int32)
   valid = jnp.ones((batch, prompt_len), bool)
@@ -141,7 +155,6 @@ def run_one(args) -> dict:
     go(rep + 1)
     times.append(time.perf_counter() - t0)
   sec = statistics.median(times)
-  bw = copy_bandwidth() if jax.default_backend() == "gpu" else float("nan")
   stats = jax.devices()[0].memory_stats() or {}
   kv_bytes_avg = (2 * config.num_layers * batch * (prompt_len + new / 2) * config.num_kv_heads
                   * config.head_dim * 2)
@@ -153,8 +166,8 @@ def run_one(args) -> dict:
               device=jax.devices()[0].device_kind, jax=jax.__version__)
 
 
-def run_hf(args) -> dict:
-  """transformers' generate on the same shape, bf16, random init, no LoRA (the peer)."""
+def run_hf(args):
+  """transformers' generate on the same shape, bf16, random init, no LoRA (the peer); a record per batch."""
   import torch
   import transformers
   spec = QWEN25[args.model]
@@ -166,7 +179,14 @@ def run_hf(args) -> dict:
   torch.manual_seed(0)
   with torch.device("cuda"):
     model = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
-  prompt = torch.randint(0, spec["vocab_size"], (args.batch, args.prompt_len), device="cuda")
+  for batch in sorted(args.batches):
+    yield _time_hf(args, model, spec, batch)
+
+
+def _time_hf(args, model, spec, batch):
+  import torch
+  import transformers
+  prompt = torch.randint(0, spec["vocab_size"], (batch, args.prompt_len), device="cuda")
   kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=True, temperature=1.0,
             top_k=0, top_p=1.0, pad_token_id=0)
   with torch.no_grad():
@@ -180,8 +200,8 @@ def run_hf(args) -> dict:
       torch.cuda.synchronize()
       times.append(time.perf_counter() - t0)
   sec = statistics.median(times)
-  return dict(model=args.model, quant="hf-bf16", batch=args.batch, prompt_len=args.prompt_len,
-              new_tokens=args.new_tokens, tokens_per_s=args.batch * args.new_tokens / sec,
+  return dict(model=args.model, quant="hf-bf16", batch=batch, prompt_len=args.prompt_len,
+              new_tokens=args.new_tokens, tokens_per_s=batch * args.new_tokens / sec,
               ms_per_step=sec / args.new_tokens * 1e3, rollout_s=sec,
               peak_gb=torch.cuda.max_memory_allocated() / 1e9, lora_rank=0, reps=len(times),
               device=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__)
@@ -207,11 +227,10 @@ def main():
   p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--model", help=argparse.SUPPRESS)
   p.add_argument("--quant", help=argparse.SUPPRESS)
-  p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
   args = p.parse_args()
   if args.one:
-    record = run_hf(args) if args.quant == "hf-bf16" else run_one(args)
-    print("RECORD " + json.dumps(record), flush=True)
+    for record in (run_hf(args) if args.quant == "hf-bf16" else run_one(args)):
+      print("RECORD " + json.dumps(record), flush=True)
     return
   if args.smoke:
     args.models, args.batches, args.new_tokens, args.prompt_len, args.reps = ["smoke"], [2], 8, 16, 1
@@ -220,23 +239,23 @@ def main():
   rows = []
   for model in args.models:
     for quant in args.quants:
-      for batch in args.batches:
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", "--model", model, "--quant", quant,
-               "--batch", str(batch), "--prompt-len", str(args.prompt_len), "--new-tokens",
-               str(args.new_tokens), "--reps", str(args.reps)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RECORD ")]
-        if proc.returncode or not lines:
-          print(f"FAILED {model} {quant} b{batch}:\n{proc.stderr[-3000:]}", flush=True)
+      cmd = [sys.executable, os.path.abspath(__file__), "--one", "--model", model, "--quant", quant,
+             "--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len), "--new-tokens",
+             str(args.new_tokens), "--reps", str(args.reps)]
+      proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for line in proc.stdout:  # records arrive as each batch finishes, so a time-out keeps what ran
+        if not line.startswith("RECORD "):
           continue
-        record = json.loads(lines[-1][len("RECORD "):])
+        record = json.loads(line[len("RECORD "):])
         record["commit"] = commit()
         rows.append(record)
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "a") as f:
           f.write(json.dumps(record) + "\n")
-        print(f"{model:12s} {quant:8s} b{batch:<3d} {record['tokens_per_s']:9.1f} tok/s "
+        print(f"{model:12s} {quant:8s} b{record['batch']:<3d} {record['tokens_per_s']:9.1f} tok/s "
               f"{record['ms_per_step']:7.2f} ms/step peak {record['peak_gb']:6.1f} GB", flush=True)
+      if proc.wait():
+        print(f"FAILED {model} {quant}:\n{proc.stderr.read()[-3000:]}", flush=True)
   print(f"\n{'model':12s} {'quant':8s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} {'floor':>7s} {'peak GB':>8s}")
   for r in rows:
     floor = r.get("floor_ms_per_step", float("nan"))
