@@ -191,3 +191,44 @@ def test_hub_offline_fails_fast_and_clearly(monkeypatch):
     assert time.perf_counter() - start < 10
   with pytest.raises(ValueError, match="levels"):
     D.load_bigmath("1-2")
+
+
+def test_hub_rows_become_examples(monkeypatch):
+  # Only the network layer is replaced: rows shaped like the hub datasets' go through the real adapters.
+  served = {}
+
+  def fake_rows(name, config, split):
+    served[name] = (config, split)
+    return {
+      "openai/gsm8k": [{"question": "Q1", "answer": "w\n#### 1,234"}, {"question": "Q2"}],
+      "HuggingFaceH4/MATH-500": [{"problem": "P", "answer": "\\frac{1}{2}", "level": 3, "unique_id": "u1"}],
+      "open-r1/Big-Math-RL-Verified-Processed": [{"prompt": "B", "solution": "42", "source": "amc"},
+                                                 {"prompt": "B2", "solution": None}],
+      "open-r1/DAPO-Math-17k-Processed": [{"prompt": "D", "solution": "7",
+                                           "source_prompt": [{"role": "user", "content": "D. Answer: $Answer"}]}],
+    }[name]
+
+  monkeypatch.setattr(D.hub, "load_hub_rows", fake_rows)
+  gsm = D.load_gsm8k_hub("test")
+  assert served["openai/gsm8k"] == ("main", "test")
+  assert [ex.gold_answer for ex in gsm] == ["1234"] and gsm.num_malformed == 1
+  math = D.load_math500_hub()
+  assert math[0].gold_answer == "\\frac{1}{2}" and math[0].uid == "u1" and math[0].meta["level"] == 3
+  big = D.load_bigmath("4-5")
+  assert served["open-r1/Big-Math-RL-Verified-Processed"] == ("level_4_5", "train")
+  assert (big[0].question, big[0].gold_answer, big.num_malformed) == ("B", "42", 1)
+  dapo = D.load_dapo_math()
+  assert served["open-r1/DAPO-Math-17k-Processed"] == ("en", "train")
+  assert dapo[0].prompt_messages is None and dapo[0].meta["source_prompt"][0]["role"] == "user"
+
+
+def test_default_paths(monkeypatch, tmp_path):
+  monkeypatch.setenv("QERL_DATA_DIR", SHARED_DATA)
+  assert len(D.load_gsm8k("test")) == 1319 and len(D.load_math500()) == 500
+  # No local copy: the loader turns to the hub, which here is unreachable -> a clear error.
+  monkeypatch.setenv("QERL_DATA_DIR", str(tmp_path))
+  monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+  for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+    monkeypatch.delenv(var, raising=False)
+  with pytest.raises(ConnectionError, match="path="):
+    D.load_gsm8k("test")

@@ -5,6 +5,7 @@ probed first with one short TCP connect, so an offline machine gets a clear erro
 HF_HUB_OFFLINE=1 (or HF_DATASETS_OFFLINE=1) skips the probe and reads the local datasets cache.
 """
 
+import dataclasses
 import functools
 import os
 import socket
@@ -95,7 +96,7 @@ def load_dapo_math(config: str = "en") -> PromptDataset:
     ex = math_example(row, index, source=f"dapo_math/{config}", question_key="prompt",
                       answer_key="solution")
     if ex is not None and "source_prompt" in row:
-      ex.meta["source_prompt"] = row["source_prompt"]
+      ex = dataclasses.replace(ex, meta={**ex.meta, "source_prompt": row["source_prompt"]})
     return ex
 
   return examples_from_rows(rows, make, name=f"dapo_math/{config}")

@@ -6,7 +6,6 @@ empty, megabytes long, or binary junk decoded as unicode). Surprises are counted
 """
 
 import collections
-import functools
 import logging
 import re
 import threading
@@ -118,10 +117,23 @@ def _mv_parse(text: str, boxed: bool):
   return parse("\\boxed{" + text + "}" if boxed else text, parsing_timeout=_timeouts())
 
 
-@functools.lru_cache(maxsize=4096)
+_GOLD_CACHE = {}
+_GOLD_CACHE_SIZE = 4096
+
+
 def _parse_gold(gold: str):
-  """Parsed gold (cached: a group of G completions shares its gold). Empty tuple when unparsable."""
-  return tuple(_mv_parse(gold, boxed=True))
+  """Parsed gold, cached (a group of G completions shares its gold). Empty tuple when unparsable.
+
+  Failures are not cached: a parse that timed out on a busy machine gets another chance next time.
+  """
+  if gold in _GOLD_CACHE:
+    return _GOLD_CACHE[gold]
+  parsed = tuple(_mv_parse(gold, boxed=True))
+  if parsed:
+    if len(_GOLD_CACHE) >= _GOLD_CACHE_SIZE:
+      _GOLD_CACHE.clear()
+    _GOLD_CACHE[gold] = parsed
+  return parsed
 
 
 def _math_candidate(completion: str) -> Tuple[Optional[str], bool]:
