@@ -48,6 +48,7 @@ def recipe() -> ml_collections.ConfigDict:
   c.model.lora_targets = "all-linear"  # q,k,v,o,gate,up,down; or a regex such as "q_proj|v_proj"
   c.model.train_norms = True  # also train each block's RMSNorm scales, as the authors do
   c.model.remat = True  # rematerialise each layer in the update's backward pass
+  c.model.dequantize_base = False  # keep a dequantized copy of the frozen base (CPU: no fused kernel)
   # A random-weight model of this architecture instead of model.path (smoke runs; HF config field names).
   c.model.random = ml_collections.ConfigDict()
   c.model.random.model_type = ""  # "" = load model.path; else "qwen2" | "qwen3" | "llama"
@@ -66,6 +67,7 @@ def recipe() -> ml_collections.ConfigDict:
   c.data.system_prompt = "paper"  # "paper" (think/answer tags), "none", or the literal text
   c.data.max_prompt_tokens = 512  # longer prompts are dropped (and counted) before training
   c.data.difficulty = 0  # arithmetic only: 0 (a + b) ... 8 (8-step stories)
+  c.data.few_shot = 0  # arithmetic only: worked examples shown as earlier chat turns
   c.data.num_examples = 0  # use the first N examples (0 = all); arithmetic: N problems (0 = 4096)
 
   c.rollout = ml_collections.ConfigDict()

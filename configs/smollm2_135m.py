@@ -26,41 +26,43 @@ def get_config(arg=None):
   c.model.lora_rank = 16  # the authors' rank
   c.model.lora_alpha = 32.0  # scale 2: a small model on few steps needs a strong adapter
   c.model.remat = False  # 135M fits; recomputing would only cost CPU time
+  c.model.dequantize_base = True  # same NVFP4 numbers, dequantized once: CPU has no fused NVFP4 kernel
   c.data.name = "arithmetic"  # offline: "What is a + b?" problems with exact integer answers
   c.data.difficulty = 0  # single-digit sums, which the base model sometimes gets right: a learning signal
   c.data.num_examples = 4096  # problems generated
-  c.data.system_prompt = ("Answer the question. Put only the final number inside <answer></answer> tags, "
-                          "for example <answer>42</answer>.")
-  c.data.max_prompt_tokens = 96
+  c.data.system_prompt = "Answer in the format <think> ... </think> <answer> ... </answer>."
+  c.data.few_shot = 1  # one worked example: a 135M model copies a format it has seen, not one it is told
+  c.data.max_prompt_tokens = 96  # the prompt above is 84 tokens
   c.rollout.samples_per_prompt = 8  # the paper's GSM8K group size
-  c.rollout.max_new_tokens = 32
-  c.rollout.prompt_bucket = 32
-  c.train.steps = 40
-  c.train.batch_size = 32  # 4 prompts x 8 samples per step
+  c.rollout.temperature = 0.7  # at 1.0 a 135M model mostly rambles; 0.7 keeps rewards varied in a group
+  c.rollout.max_new_tokens = 24  # "<think> 3 + 4 = 7 </think> <answer> 7 </answer>" is about 21 tokens
+  c.rollout.prompt_bucket = 16
+  c.train.steps = 30  # about 19 s per step on 2 cores: ~10 minutes
+  c.train.batch_size = 16  # 2 prompts x 8 samples per step
   c.train.micro_batch_size = 16
-  c.train.learning_rate = 2e-4  # LoRA on a 135M model over 40 steps needs far more than 7B's 1e-5
+  c.train.learning_rate = 3e-4  # LoRA on a 135M model over 30 steps needs far more than 7B's 1e-5
   c.train.warmup_ratio = 0.05
   c.train.grad_clip = 1.0
   c.train.logprob_chunk = 64
   c.train.vocab_chunk = 16384
-  c.train.length_bucket = 16
+  c.train.length_bucket = 8
   c.train.checkpoint_every = 10
-  c.aqn.sigma_start = 1e-2  # the paper's schedule, over 10 stages of 4 steps
+  c.aqn.sigma_start = 1e-2  # the paper's schedule, over 10 stages of 3 steps
   c.aqn.sigma_end = 5e-4
   c.eval.dataset = "arithmetic"  # held-out problems of the same task
-  c.eval.num_examples = 64
+  c.eval.num_examples = 32
   c.eval.num_samples = 4  # pass@1 and pass@4
-  c.eval.max_new_tokens = 32
+  c.eval.max_new_tokens = 24
   c.eval.batch_size = 64
   for quant in words & set(common.QUANTS):
     common.apply_quant(c, quant)
-    c.train.learning_rate = 2e-4  # the small-model rate above, whatever the format
+    c.train.learning_rate = 3e-4  # the small-model rate above, whatever the format
   if "smoke" in words:
     common.shrink_to_smoke(c, "llama")
     c.model.dtype = "float32"
     c.data.num_examples = 64
     c.data.max_prompt_tokens = 96
-    c.rollout.prompt_bucket = 32
+    c.rollout.prompt_bucket = 96  # one prompt bucket: one compile
   return c
 
 

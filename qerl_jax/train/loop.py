@@ -45,11 +45,14 @@ class Trainer:
   """Everything a run holds between steps. Built by `Trainer.create`; `train_and_evaluate` drives it."""
 
   def __init__(self, config, workdir: str, model, tokenizer, checkpointer: Checkpointer, resume_step):
+    # `model` itself is not kept: its variables are the buffers of the first state, which the update donates.
     self.config, self.workdir = config, workdir
-    self.model, self.tokenizer = model, tokenizer
+    self.model_config, self.tokenizer = model.config, tokenizer
     self.checkpointer = checkpointer
     c = config
     self.graphdef, trainable, self.frozen = split_params(model)
+    if c.model.dequantize_base:
+      self.frozen = setup.dequantize_frozen(self.frozen, model.config.dtype)
     params = trainable.to_pure_dict()
     self.ref_params = reference_params(params) if c.train.kl_beta > 0 else None
     if self.ref_params is not None and not count_lora_b(params):
@@ -110,7 +113,7 @@ class Trainer:
       return None, 0.0
     sigma = float(aqn.sigma(step, self.config.train.steps, a.sigma_start, a.sigma_end, a.num_stages,
                             a.schedule))
-    noise = aqn.norm_noise(self.state.aqn_key, step, self.model.config, jnp.float32(sigma),
+    noise = aqn.norm_noise(self.state.aqn_key, step, self.model_config, jnp.float32(sigma),
                            self.noise_targets)
     return noise, sigma
 
@@ -268,14 +271,15 @@ def evaluate(config, workdir: str) -> dict:
     checkpointer.check_compatible(step, config)
   model, tokenizer = setup.build_model(config)
   validate_model(config, model.config, tokenizer)
+  graphdef, trainable, frozen = split_params(model)
+  if config.model.dequantize_base:
+    frozen = setup.dequantize_frozen(frozen, model.config.dtype)
+  params = trainable.to_pure_dict()
   if step is not None:
-    graphdef, trainable, frozen = split_params(model)
-    params = trainable.to_pure_dict()
     optimizer, _ = make_optimizer(OptimizerSettings.from_config(config))
-    template = init_train_state(params, optimizer, config.seed)
-    params = checkpointer.restore(step, template).params
-    model = nnx.merge(graphdef, nnx.State(params), frozen)
+    params = checkpointer.restore(step, init_train_state(params, optimizer, config.seed)).params
     print(f"evaluating the checkpoint at step {step}")
+  model = nnx.merge(graphdef, nnx.State(params), frozen)
   checkpointer.close()
   out_dir = os.path.join(workdir, "eval", f"step_{step or 0}")
   report = run_eval(model, tokenizer, config, out_dir, step=step or 0)

@@ -119,6 +119,54 @@ def build_model(config):
   return model, tokenizer
 
 
+def dequantize_frozen(frozen, dtype):
+  """The frozen state with every quantized weight replaced by its dequantized [L, K, N] array.
+
+  The numbers are exactly those the XLA reference matmul uses (it dequantizes, then multiplies); only the
+  storage changes. Worth it where no fused kernel exists (CPU): the reference path would otherwise
+  dequantize every weight again at every decode step and every micro-batch, though the base never
+  changes. It costs the memory of a dequantized copy, so GPU configs keep the packed weights.
+  """
+  from qerl_jax.quant import dequantize, is_quantized  # pylint: disable=import-outside-toplevel
+
+  def expand(x):
+    if not is_quantized(x):
+      return x
+    return jax.jit(jax.vmap(lambda q: dequantize(q, dtype)))(x)  # stacked layers: one [K, N] per layer
+
+  return jax.tree.map(expand, frozen, is_leaf=is_quantized)
+
+
+def few_shot_messages(config, k: int) -> tuple:
+  """k worked arithmetic examples as earlier chat turns, answered in the think/answer format.
+
+  A 135M model does not follow a format from instructions alone; one or two demonstrations make it
+  answer inside <answer></answer> often enough for the rewards to vary within a group.
+  """
+  demos = data_lib.make_arithmetic_dataset(k, config.data.difficulty, seed=config.seed + 2 * _EVAL_SEED_OFFSET)
+  turns = []
+  for ex in demos.examples:
+    expression = ex.question.removeprefix("What is ").removesuffix("?")
+    reasoning = f"{expression} = {ex.gold_answer}" if expression != ex.question else ex.gold_answer
+    turns.append({"role": "user", "content": ex.question})
+    turns.append({"role": "assistant",
+                  "content": f"<think>\n{reasoning}\n</think>\n<answer>\n{ex.gold_answer}\n</answer>"})
+  return tuple(turns)
+
+
+def with_few_shot(dataset, config):
+  """The dataset with `data.few_shot` demonstrations between the system prompt and each question."""
+  k = config.data.few_shot
+  if not k:
+    return dataset
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  system = system_prompt(config)
+  head = (({"role": "system", "content": system},) if system else ()) + few_shot_messages(config, k)
+  examples = tuple(dataclasses.replace(ex, prompt_messages=head + ({"role": "user", "content": ex.question},))
+                   for ex in dataset.examples)
+  return dataclasses.replace(dataset, examples=examples)
+
+
 def _first(dataset, n: int):
   if n and n < len(dataset):
     import dataclasses  # pylint: disable=import-outside-toplevel
@@ -142,7 +190,7 @@ def load_train_dataset(config, tokenizer):
     dataset = data_lib.make_arithmetic_dataset(d.num_examples or 4096, d.difficulty, seed=config.seed)
   else:
     raise ValueError(f"data.name={d.name!r} must be one of {TRAIN_DATASETS}")
-  dataset = _first(dataset, d.num_examples if d.name != "arithmetic" else 0)
+  dataset = with_few_shot(_first(dataset, d.num_examples if d.name != "arithmetic" else 0), config)
   return data_lib.filter_long_prompts(dataset, tokenizer, d.max_prompt_tokens, system_prompt(config))
 
 
@@ -159,7 +207,7 @@ def load_eval_dataset(config, tokenizer):
                                                config.data.difficulty, seed=config.seed + _EVAL_SEED_OFFSET)
   else:
     raise ValueError(f"eval.dataset={e.dataset!r} must be one of {EVAL_DATASETS}")
-  dataset = _first(dataset, e.num_examples)
+  dataset = with_few_shot(_first(dataset, e.num_examples), config)
   return data_lib.filter_long_prompts(dataset, tokenizer, config.data.max_prompt_tokens, system_prompt(config))
 
 

@@ -74,6 +74,9 @@ def validate_config(config) -> None:
     _need(os.path.exists(os.path.expanduser(d.path)), f"data.path={d.path!r} does not exist")
   _need(d.max_prompt_tokens >= 1, f"data.max_prompt_tokens={d.max_prompt_tokens} must be >= 1")
   _need(d.num_examples >= 0, f"data.num_examples={d.num_examples} must be >= 0")
+  _need(d.few_shot >= 0, f"data.few_shot={d.few_shot} must be >= 0")
+  _need(d.few_shot == 0 or d.name == "arithmetic",
+        f"data.few_shot={d.few_shot} needs data.name='arithmetic' (demonstrations come from that generator)")
 
   g = r.samples_per_prompt
   _need(g >= 1, f"rollout.samples_per_prompt={g} must be >= 1")
