@@ -102,6 +102,16 @@ def copy_bandwidth(gib: float = 4.0) -> float:
   return 2 * x.nbytes / statistics.median(times)
 
 
+def unrolled_scan(f, init, xs, length=None, **unused):
+  """lax.scan as a Python loop: static per-layer slices instead of dynamic ones (the `unrolled` variant)."""
+  import jax
+  n = jax.tree.leaves(xs)[0].shape[0] if xs is not None else length
+  carry = init
+  for i in range(n):
+    carry, _ = f(carry, jax.tree.map(lambda a: a[i], xs))
+  return carry, None
+
+
 def run_one(args):
   """One (model, quant) in this process, batches in ascending order; yields a JSON record per batch.
 
@@ -118,6 +128,9 @@ def run_one(args):
   from qerl_jax.rollout.sampling import SamplingParams
 
   config = model_config(args.model)
+  if args.variant == "unrolled":  # experiment: does the scan's per-layer dynamic slice cost a weight copy?
+    from qerl_jax.model import transformer
+    transformer.jax.lax.scan = unrolled_scan
   base = synthetic_base(config, args.quant)
   lora = LoraConfig(rank=16, alpha=16, dtype=jnp.bfloat16)
   model = Transformer(config, base, lora=lora, rngs=nnx.Rngs(0))
@@ -163,7 +176,8 @@ def _time_rollout(args, config, graphdef, state, weight_bytes, bw, batch):
               tokens_per_s=batch * new / sec, ms_per_step=sec / new * 1e3, rollout_s=sec, compile_s=compile_s,
               peak_gb=stats.get("peak_bytes_in_use", 0) / 1e9, weight_gb=weight_bytes / 1e9,
               floor_ms_per_step=floor_ms, copy_gbps=bw / 1e9, lora_rank=16, reps=args.reps,
-              device=jax.devices()[0].device_kind, jax=jax.__version__)
+              device=jax.devices()[0].device_kind, jax=jax.__version__, variant=args.variant,
+              xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
 def run_hf(args):
@@ -223,6 +237,8 @@ def main():
   p.add_argument("--new-tokens", type=int, default=1024)
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "rollout.jsonl"))
+  p.add_argument("--variant", default="scan", choices=["scan", "unrolled"],
+                 help="layer loop: lax.scan over stacked layers (default) or unrolled (experiment)")
   p.add_argument("--smoke", action="store_true", help="tiny model, few tokens: checks the script runs")
   p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--model", help=argparse.SUPPRESS)
@@ -241,7 +257,7 @@ def main():
     for quant in args.quants:
       cmd = [sys.executable, os.path.abspath(__file__), "--one", "--model", model, "--quant", quant,
              "--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len), "--new-tokens",
-             str(args.new_tokens), "--reps", str(args.reps)]
+             str(args.new_tokens), "--reps", str(args.reps), "--variant", args.variant]
       proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
       for line in proc.stdout:  # records arrive as each batch finishes, so a time-out keeps what ran
         if not line.startswith("RECORD "):
@@ -252,7 +268,7 @@ def main():
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "a") as f:
           f.write(json.dumps(record) + "\n")
-        print(f"{model:12s} {quant:8s} b{record['batch']:<3d} {record['tokens_per_s']:9.1f} tok/s "
+        print(f"{args.variant:8s} {model:12s} {quant:8s} b{record['batch']:<3d} {record['tokens_per_s']:9.1f} tok/s "
               f"{record['ms_per_step']:7.2f} ms/step peak {record['peak_gb']:6.1f} GB", flush=True)
       if proc.wait():
         print(f"FAILED {model} {quant}:\n{proc.stderr.read()[-3000:]}", flush=True)
