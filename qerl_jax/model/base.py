@@ -125,8 +125,16 @@ def empty_base(config: ModelConfig, schemes: dict[str, str | None], *, dtype=Non
               "layers": layers}
   if not config.tie_word_embeddings:
     abstract["lm_head"] = jax.ShapeDtypeStruct(vd, dtype)
-  # One program allocates everything (an eager jnp.zeros per array would compile once per shape).
-  return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract))()
+  leaves, treedef = jax.tree.flatten(abstract)
+  specs = tuple((tuple(s.shape), jnp.dtype(s.dtype).name) for s in leaves)
+  return jax.tree.unflatten(treedef, _zeros(specs))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _zeros(specs: tuple[tuple[tuple[int, ...], str], ...]) -> list[jax.Array]:
+  # One cached program allocates the whole base: an eager jnp.zeros per array would compile once per
+  # shape, and a fresh lambda per call would recompile (and hold compiler memory) on every load.
+  return [jnp.zeros(shape, dtype) for shape, dtype in specs]
 
 
 @functools.partial(jax.jit, donate_argnums=0)
