@@ -91,10 +91,15 @@ def test_merged_bf16_checkpoint_is_the_same_model_in_transformers(tiny_qwen2, tm
   model, _ = from_pretrained(dirs["float32"], quant="bf16", dtype=jnp.float32, lora_rank=4, lora_alpha=16)
   _randomize_adapters(model, seed)
   out = np.asarray(model(jnp.asarray(tokens)))
-  save_merged(model, str(tmp_path), scheme="bf16")
+  save_merged(model, str(tmp_path), scheme="bf16", max_shard_bytes=100_000)  # forces several shards
+  shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+  assert len(shards) > 2 and (tmp_path / "model.safetensors.index.json").exists(), shards
   hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
   ref = hf_logits(hf, tokens)
   np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max(), err_msg=f"{seed=}")
+  # ... and the sharded directory loads back here as the same (adapter-free) model.
+  again, _ = from_pretrained(str(tmp_path), quant="bf16", dtype=jnp.float32, lora_rank=None)
+  np.testing.assert_allclose(np.asarray(again(jnp.asarray(tokens))), out, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
 def _write_ct_dir(src: str, out: str) -> None:
