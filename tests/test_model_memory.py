@@ -23,7 +23,8 @@ CHILD = textwrap.dedent(r"""
   shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden),
             "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, hidden),
             "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
-  tensors = {"model.embed_tokens.weight": rng.standard_normal((64, hidden), np.float32).astype(ml_dtypes.bfloat16),
+  embed = rng.standard_normal((64, hidden), np.float32).astype(ml_dtypes.bfloat16)
+  tensors = {"model.embed_tokens.weight": embed,
              "model.norm.weight": np.ones(hidden, ml_dtypes.bfloat16)}
   for i in range(layers):
     for name, shape in shapes.items():

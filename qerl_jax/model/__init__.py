@@ -7,6 +7,9 @@ Modules, one job each:
   base       the frozen base as a stacked pytree: preallocation, fused-group quantization, random init.
   transformer  the NNX module, the pure scanned forward, init_cache, split_params.
   safetensors_io, gguf_io  streaming readers; loading  from_pretrained; export  PEFT / merged checkpoints.
+  testing    tiny random transformers checkpoints for tests.
+
+Forward contract, trainable/frozen split and AQN noise: see `qerl_jax.model.transformer`.
 """
 
 from qerl_jax.model.base import empty_base, random_base  # noqa: F401

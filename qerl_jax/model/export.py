@@ -85,7 +85,8 @@ def load_peft_adapter(model: Transformer, adapter_dir: str) -> Transformer:
   if cfg.get("peft_type") != "LORA":
     raise ValueError(f"{adapter_dir}: peft_type={cfg.get('peft_type')!r}, only 'LORA' is supported")
   unsupported = {"use_dora": bool(cfg.get("use_dora")), "fan_in_fan_out": bool(cfg.get("fan_in_fan_out")),
-                 "bias": cfg.get("bias", "none") != "none", "layers_to_transform": cfg.get("layers_to_transform") is not None}
+                 "bias": cfg.get("bias", "none") != "none",
+                 "layers_to_transform": cfg.get("layers_to_transform") is not None}
   for key, bad in unsupported.items():
     if bad:
       raise ValueError(f"{adapter_dir}: unsupported adapter setting {key}={cfg.get(key)!r}")
