@@ -108,6 +108,7 @@ def recipe() -> ml_collections.ConfigDict:
   c.train.restart = False  # True: move an incompatible checkpoint aside and start over
   c.train.max_nonfinite = 5  # stop after this many consecutive NaN/Inf updates (each is skipped)
   c.train.log_every = 1  # steps between metric lines
+  c.train.log_samples = 4  # completions per step written to workdir/samples.jsonl (0 = none)
 
   c.aqn = ml_collections.ConfigDict()
   c.aqn.enabled = True  # adaptive quantization noise on the rollout policy's RMSNorm scales

@@ -29,7 +29,7 @@ from qerl_jax.train import rollouts as rollouts_lib
 from qerl_jax.train import setup
 from qerl_jax.train.checkpoint import Checkpointer, IncompatibleCheckpointError
 from qerl_jax.train.evaluate import run_eval
-from qerl_jax.train.metrics_log import CURVES_FILE, MetricsLogger, plot_curves
+from qerl_jax.train.metrics_log import CURVES_FILE, MetricsLogger, plot_curves, truncate_metrics
 from qerl_jax.train.optim import OptimizerSettings, make_optimizer
 from qerl_jax.train.policy import count_lora_b, reference_params
 from qerl_jax.train.state import data_position, device_part, init_train_state, sampler_state
@@ -155,6 +155,11 @@ class Trainer:
       device_metrics.append(metrics)
     self.state = state.replace(step=state.step + 1, data=data_position(self.sampler.state()))
 
+    if c.train.log_samples:
+      with open(os.path.join(self.workdir, "samples.jsonl"), "a") as f:
+        for i in range(min(c.train.log_samples, len(out.texts))):
+          f.write(json.dumps({"step": step + 1, "gold": golds[i], "completion": out.texts[i],
+                              "reward": float(rewards_B[i]), "finished": bool(out.finished_B[i])}) + "\n")
     stats = group_reward_stats(rewards_B, self.group)
     host = {
       "reward/mean": float(rewards_B.mean()), "reward/std": float(rewards_B.std(ddof=1)) if rewards_B.size > 1
@@ -207,6 +212,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   c = config
   start = int(trainer.state.step)
   logger = MetricsLogger(workdir, c.train.steps, start_step=start)
+  truncate_metrics(os.path.join(workdir, "samples.jsonl"), start)  # same step-keyed lines as metrics.jsonl
   last: dict = {}
   pending_metrics = None  # (step, host, device) of the previous step, read while this step's rollout runs
 

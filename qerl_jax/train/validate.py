@@ -116,6 +116,7 @@ def validate_config(config) -> None:
   _need(not (t.tis_cap > 0 and t.loss_type == "grpo"),
         "train.tis_cap > 0 weights tokens, which loss_type='grpo' would fold into its per-row normaliser; "
         "use bnpo, dapo or dr_grpo with it")
+  _need(t.log_samples >= 0, f"train.log_samples={t.log_samples} must be >= 0")
   for name in ("logprob_chunk", "vocab_chunk", "length_bucket", "checkpoint_every", "keep_checkpoints",
                "max_nonfinite", "log_every"):
     _need(t[name] >= 1, f"train.{name}={t[name]} must be >= 1")
