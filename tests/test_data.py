@@ -172,7 +172,8 @@ def test_synthetic_task(seed, difficulty):
   if difficulty == 0:
     assert all(re.fullmatch(r"What is [1-9] \+ [1-9]\?", ex.question) for ex in ds)
   else:
-    assert len({ex.question for ex in ds}) > 150  # varied problems
+    # Varied problems: difficulty 1 has 674 distinct questions, so 200 draws give ~159 +- 5 distinct ones.
+    assert len({ex.question for ex in ds}) > 120
   if difficulty >= 2:
     assert all(ex.question.count(".") == difficulty + 1 for ex in ds)
   with pytest.raises(ValueError, match="difficulty"):

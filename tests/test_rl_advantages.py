@@ -32,8 +32,14 @@ def test_matches_numpy(rng, group_size, scale, mode):
              + rng.normal(0, 0.1, 4 * group_size)).astype(np.float32)
   got = np.asarray(group_advantages(rewards, group_size, scale=scale))
   np.testing.assert_allclose(got, numpy_advantages(rewards, group_size, mode), rtol=1e-5, atol=1e-6)
-  # Advantages sum to zero inside each group whatever the scaling.
-  np.testing.assert_allclose(got.reshape(-1, group_size).sum(1), 0.0, atol=1e-5)
+  # Advantages sum to zero inside each group whatever the scaling, up to float32 rounding of the group
+  # mean (an ulp of the rewards per member), which the scaling divides by the group std.
+  groups = rewards.reshape(-1, group_size).astype(np.float64)
+  divisor = groups.std(1, ddof=1) + 1e-4 if mode == "group" else np.ones(len(groups))
+  if mode == "batch":
+    divisor = np.full(len(groups), rewards.astype(np.float64).std(ddof=1) + 1e-4)
+  tol = 4 * group_size * np.finfo(np.float32).eps * np.abs(groups).max(1) / divisor
+  assert np.all(np.abs(got.reshape(-1, group_size).sum(1)) <= tol), (got, tol)
 
 
 def test_hand_computed():
