@@ -89,16 +89,6 @@ def resolve_targets(spec: str | Sequence[str]) -> tuple[str, ...]:
   return tuple(name for name in PROJ_NAMES if name in chosen)
 
 
-@functools.cache
-def _nvfp4_kernel():
-  """`kernels.nvfp4_matmul` once the kernels package exports it, else None (XLA reference path)."""
-  try:
-    from kernels import nvfp4_matmul  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    return None
-  return nvfp4_matmul
-
-
 def base_matmul(x_BxTxK: jax.Array, w: Any) -> jax.Array:
   """x @ W for a frozen base weight of logical shape [K, N]; x may have any leading dims.
 
@@ -106,9 +96,9 @@ def base_matmul(x_BxTxK: jax.Array, w: Any) -> jax.Array:
   available, other schemes are dequantized to x's dtype and multiplied. Accumulation is float32.
   """
   if isinstance(w, qtypes.NVFP4Tensor):
-    kernel = _nvfp4_kernel()
-    if kernel is not None:
-      return kernel(x_BxTxK, w)
+    # The project's top-level kernels/ package; it falls back to XLA itself where no kernel runs.
+    from kernels import nvfp4_matmul  # pylint: disable=import-outside-toplevel
+    return nvfp4_matmul(x_BxTxK, w)
   if qtypes.is_quantized(w):
     from qerl_jax.quant import dequantize  # pylint: disable=import-outside-toplevel
     w = dequantize(w, x_BxTxK.dtype)

@@ -1,59 +1,19 @@
-"""Streaming access to (sharded) safetensors checkpoints, one tensor at a time.
+"""Checkpoint directories of safetensors files (single file or an index of shards), one tensor at a time.
 
-The file format is a little-endian u64 header length, a JSON header {name: {dtype, shape, data_offsets}},
-then the raw bytes. This reader parses the headers once and reads each requested tensor with a positioned
-read into a fresh NumPy array. Two reasons not to use `safetensors.safe_open` here: its NumPy backend
-cannot return float8 tensors (compressed-tensors' `weight_scale`), and it maps whole files, so every
-byte read stays resident in the process until the file is closed; with explicit reads only the tensor
-being converted is in memory. Writing goes through `safetensors.numpy.save_file` (ml_dtypes arrays).
+Tensors are read by `qerl_jax.quant.safetensors_io.SafetensorsFile` (positioned reads, float8-capable),
+so only the tensor being converted is in host memory. Writing whole arrays goes through
+`safetensors.numpy.save_file` (ml_dtypes arrays).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Iterator
 
-import ml_dtypes
 import numpy as np
 
-DTYPES = {
-  "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-  "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-  "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
-  "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
-}
-
-
-class TensorInfo:
-  """Where one tensor lives: file, dtype, shape, byte range."""
-
-  __slots__ = ("path", "dtype", "shape", "start", "end")
-
-  def __init__(self, path: str, dtype: np.dtype, shape: tuple[int, ...], start: int, end: int):
-    self.path, self.dtype, self.shape, self.start, self.end = path, dtype, shape, start, end
-
-
-def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-  """{name: TensorInfo} and the __metadata__ of one .safetensors file."""
-  with open(path, "rb") as f:
-    raw = f.read(8)
-    if len(raw) != 8:
-      raise ValueError(f"{path} is not a safetensors file (too short)")
-    (size,) = struct.unpack("<Q", raw)
-    if size > 100_000_000:
-      raise ValueError(f"{path} is not a safetensors file (header of {size} bytes)")
-    header = json.loads(f.read(size))
-  base = 8 + size
-  meta = header.pop("__metadata__", None) or {}
-  infos = {}
-  for name, h in header.items():
-    if h["dtype"] not in DTYPES:
-      raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {h['dtype']}")
-    start, end = h["data_offsets"]
-    infos[name] = TensorInfo(path, DTYPES[h["dtype"]], tuple(h["shape"]), base + start, base + end)
-  return infos, meta
+from qerl_jax.quant.safetensors_io import SafetensorsFile
 
 
 class SafetensorsDir:
@@ -69,54 +29,42 @@ class SafetensorsDir:
       files = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
     if not files:
       raise FileNotFoundError(f"no .safetensors files in {directory}")
-    self.infos: dict[str, TensorInfo] = {}
+    self.files: dict[str, SafetensorsFile] = {}
     for name in files:
       path = os.path.join(directory, name)
       if not os.path.isfile(path):
         raise FileNotFoundError(f"shard {path} listed in the index is missing")
-      self.infos.update(read_header(path)[0])
+      shard = SafetensorsFile(path)
+      self.files.update({key: shard for key in shard.keys()})
 
   @classmethod
   def from_file(cls, path: str) -> "SafetensorsDir":
     """A reader over one .safetensors file (e.g. a PEFT adapter)."""
     obj = cls.__new__(cls)
     obj.directory = path
-    obj.infos = read_header(path)[0]
+    shard = SafetensorsFile(path)
+    obj.files = {key: shard for key in shard.keys()}
     return obj
 
   def __contains__(self, name: str) -> bool:
-    return name in self.infos
+    return name in self.files
 
   def keys(self) -> Iterator[str]:
-    return iter(self.infos)
+    return iter(self.files)
 
   def shape(self, name: str) -> tuple[int, ...]:
-    return self._info(name).shape
+    return self._file(name).shape(name)
 
   def dtype(self, name: str) -> np.dtype:
-    return self._info(name).dtype
+    return self._file(name).dtype(name)
 
   def get(self, name: str) -> np.ndarray:
     """The tensor as a NumPy array in its stored dtype (bf16 / float8 through ml_dtypes)."""
-    info = self._info(name)
-    out = np.empty(info.shape, info.dtype)
-    nbytes = info.end - info.start
-    if out.nbytes != nbytes:
-      raise ValueError(f"tensor {name!r}: header says {nbytes} bytes for shape {info.shape} {info.dtype}")
-    with open(info.path, "rb", buffering=0) as f:
-      view = memoryview(out.reshape(-1).view(np.uint8))
-      f.seek(info.start)
-      got = 0
-      while got < nbytes:
-        n = f.readinto(view[got:])
-        if not n:
-          raise ValueError(f"tensor {name!r}: file {info.path} is truncated")
-        got += n
-    return out
+    return self._file(name).get(name)
 
-  def _info(self, name: str) -> TensorInfo:
+  def _file(self, name: str) -> SafetensorsFile:
     try:
-      return self.infos[name]
+      return self.files[name]
     except KeyError:
       raise KeyError(f"tensor {name!r} not found in {self.directory}") from None
 

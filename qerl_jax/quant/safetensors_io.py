@@ -1,9 +1,11 @@
-"""Minimal streaming safetensors reader and writer on NumPy + ml_dtypes.
+"""The one safetensors reader and streaming writer of the project (NumPy + ml_dtypes).
 
-The ``safetensors`` package's NumPy/Flax backends cannot return float8 tensors, and its writers need every
-tensor of a file in memory at once. The format is simple (8-byte little-endian header length, a JSON
-header of {name: {dtype, shape, data_offsets}}, then the raw little-endian bytes), so this module reads
-tensors as memory-mapped views and writes a file's header first and then its tensors one at a time.
+The ``safetensors`` package's NumPy/Flax backends cannot return float8 tensors (compressed-tensors'
+``weight_scale``), its ``safe_open`` maps whole files (every byte read stays resident until the file is
+closed), and its writers need every tensor of a file in memory at once. The format is simple (8-byte
+little-endian header length, a JSON header of {name: {dtype, shape, data_offsets}}, then the raw
+little-endian bytes), so this module reads each requested tensor with a positioned read into a fresh array,
+and writes a file's header first and then its tensors one at a time.
 """
 
 from __future__ import annotations
@@ -67,7 +69,9 @@ class SafetensorsFile:
       begin, end = info["data_offsets"]
       if self._data_start + end > size:
         raise SafetensorsError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
-    self._mmap = None
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._info
 
   def keys(self) -> list[str]:
     return list(self._info)
@@ -79,15 +83,26 @@ class SafetensorsFile:
     return tuple(self._info[name]["shape"])
 
   def get(self, name: str) -> np.ndarray:
+    """The tensor in its stored dtype, read into a fresh array (only this tensor is resident)."""
     info = self._info[name]
-    if self._mmap is None:
-      try:
-        self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
-      except OSError as e:
-        raise SafetensorsError(f"cannot read {self.path}: {e.strerror or e}") from None
+    out = np.empty(info["shape"], DTYPES[info["dtype"]])
     begin, end = info["data_offsets"]
-    raw = self._mmap[self._data_start + begin:self._data_start + end]
-    return raw.view(DTYPES[info["dtype"]]).reshape(info["shape"])
+    if out.nbytes != end - begin:
+      raise SafetensorsError(f"{self.path}: tensor {name} has {end - begin} bytes for shape {info['shape']} "
+                             f"{info['dtype']}")
+    try:
+      with open(self.path, "rb", buffering=0) as f:
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        f.seek(self._data_start + begin)
+        got = 0
+        while got < out.nbytes:
+          n = f.readinto(view[got:])
+          if not n:
+            raise SafetensorsError(f"{self.path}: tensor {name} is truncated")
+          got += n
+    except OSError as e:
+      raise SafetensorsError(f"cannot read {self.path}: {e.strerror or e}") from None
+    return out
 
 
 class TensorSpec:
