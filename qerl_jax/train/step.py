@@ -53,6 +53,9 @@ class UpdateSettings:
   max_len: int = 0  # dr_grpo's constant length: the response budget
   logprob_chunk: int = 256
   vocab_chunk: int = 16384
+  # A NamedSharding for the micro-batched leaves [M, b, ...] (qerl_jax.sharding.micro_batch_sharding) on a
+  # multi-device mesh; None on one device, where no constraint is emitted.
+  micro_sharding: Any = None
 
   @classmethod
   def from_config(cls, config) -> "UpdateSettings":
@@ -105,6 +108,8 @@ def update_step(state: TrainState, frozen: Any, batch: dict, first_iteration: ja
   rows = batch["completion_BxN"].shape[0]
   norms = loss_normalizers(batch["mask_BxN"], batch["truncated_B"], s.mask_truncated)
   micro = _micro(batch, s.micro_batch_size)
+  if s.micro_sharding is not None:
+    micro = jax.lax.with_sharding_constraint(micro, s.micro_sharding)
 
   def loss_fn(params, mb):
     model = merge(graphdef, params, frozen)
@@ -166,6 +171,8 @@ def policy_logprobs(params: dict, frozen: Any, batch: dict, *, graphdef, setting
   rows = batch["completion_BxN"].shape[0]
   micro = _micro({k: batch[k] for k in ("prompt_BxP", "prompt_valid_BxP", "completion_BxN")},
                  settings.micro_batch_size)
+  if settings.micro_sharding is not None:
+    micro = jax.lax.with_sharding_constraint(micro, settings.micro_sharding)
 
   def body(_, mb):
     logp_BxN, _ = _logprobs(merge(graphdef, params, frozen), mb, settings)
