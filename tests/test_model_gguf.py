@@ -20,13 +20,20 @@ PROMPTS = [
 ]
 
 
-def test_smollm2_gguf_top1_agrees_with_transformers():
+@pytest.fixture(scope="module")
+def smollm2():
+  """The real SmolLM2 GGUF loaded by both sides in float32 (shared: each load takes seconds)."""
   path = smollm2_gguf_path()
   model, tokenizer = from_pretrained(path, quant="bf16", dtype=jnp.float32, lora_rank=None)
-  assert model.config.arch == "llama" and model.config.num_layers == 30 and model.config.tie_word_embeddings
-  assert model.config.num_kv_heads == 3 and model.config.rope_theta == 100000.0
   hf = transformers.AutoModelForCausalLM.from_pretrained(
     os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+  return model, tokenizer, hf
+
+
+def test_smollm2_gguf_top1_agrees_with_transformers(smollm2):
+  model, tokenizer, hf = smollm2
+  assert model.config.arch == "llama" and model.config.num_layers == 30 and model.config.tie_word_embeddings
+  assert model.config.num_kv_heads == 3 and model.config.rope_theta == 100000.0
   agree, total = 0, 0
   for prompt in PROMPTS:
     ids = np.asarray(tokenizer(prompt)["input_ids"])[None]
@@ -38,6 +45,27 @@ def test_smollm2_gguf_top1_agrees_with_transformers():
     # Same dequantized weights, float32 on both sides: far tighter than the top-1 criterion.
     assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max(), prompt
   assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"
+
+
+CHATS = [
+  [{"role": "user", "content": "What is 12 + 30? Answer with a number."}],
+  [{"role": "user", "content": "Write one sentence about the sea."}],
+  [{"role": "user", "content": "List three colors."}],
+]
+
+
+def test_smollm2_greedy_generation_matches_transformers(smollm2):
+  """The rollout engine's greedy decode (KV cache, left padding of a batch) == transformers' generate."""
+  import qerl_jax  # pylint: disable=import-outside-toplevel
+  model, tokenizer, hf = smollm2
+  outs = qerl_jax.generate(model, tokenizer, CHATS, max_new_tokens=32, temperature=0, stop_token_ids=())
+  for chat, out in zip(CHATS, outs):
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    with torch.no_grad():
+      ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[0, len(ids):].tolist()
+    assert out.token_ids == ref, (tokenizer.decode(out.token_ids), tokenizer.decode(ref))
 
 
 def test_unpermute_rows_inverts_the_llama_cpp_permutation():
