@@ -1,0 +1,131 @@
+"""The memory planner: exact byte counts for a tiny config by hand, the knob named when a plan does not fit,
+and the estimate against XLA's own buffer assignment (`compiled.memory_analysis()`) on CPU."""
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from qerl_jax import memory
+from qerl_jax.model import ModelConfig, Transformer, random_base, split_params
+from qerl_jax.model.linear import LoraConfig
+from qerl_jax.train.optim import OptimizerSettings
+from qerl_jax.train.state import init_train_state
+from qerl_jax.train.step import UpdateSettings, jit_update
+
+TINY = dict(arch="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+            num_kv_heads=2, head_dim=16, qkv_bias=True)
+
+
+def _nvfp4_bytes(k, n, layers):
+  return layers * (n * k // 2 + n * k // 16 + 4)  # codes, e4m3 block scales, f32 global scale
+
+
+def test_exact_parts_match_hand_counts():
+  cfg = ModelConfig(**TINY, dtype=jnp.bfloat16, tie_word_embeddings=False)
+  L, D, F, V, r = 2, 64, 128, 256, 4
+  projections = {"q": (D, 64), "k": (D, 32), "v": (D, 32), "o": (64, D), "gate": (D, F), "up": (D, F),
+                 "down": (F, D)}
+  weights = sum(_nvfp4_bytes(k, n, L) for k, n in projections.values())
+  weights += L * (64 + 32 + 32) * 2  # q/k/v biases, bf16
+  weights += 2 * V * D * 2 + D * 4  # embed + lm_head bf16, final norm f32
+  weights += 2 * L * D * 4  # block norms (frozen copies stay in the base)
+  lora = sum(L * (k * r + r * n) * 4 for k, n in projections.values()) + 2 * L * D * 4
+  batch, prompt, new = 8, 16, 24
+  kv = 2 * L * batch * (prompt + new) * 2 * 16 * 2
+
+  p = memory.plan(cfg, "nvfp4", batch, prompt, new, None, r, 4, True)
+  assert p.weights == weights
+  assert p.lora == lora and p.optimizer == 2 * lora
+  assert p.kv_cache == kv
+  # On a (data=2, fsdp=2, tensor=2) mesh: the KV cache splits rows by 4 and heads by 2; codes and block
+  # scales split by tensor x fsdp, q/k/v biases by tensor, embeddings by fsdp; norms and global scales stay.
+  q = memory.plan(cfg, "nvfp4", batch, prompt, new, (2, 2, 2), r, 4, True)
+  assert q.kv_cache == kv // 8
+  codes = sum(L * (n * k // 2 + n * k // 16) for k, n in projections.values())
+  sharded = codes // 4 + L * 7 * 4 + L * (64 + 32 + 32) * 2 // 2 + 2 * V * D * 2 // 2 + D * 4 + 2 * L * D * 4
+  assert q.weights == sharded
+  # bf16 base: 2 bytes per weight, exactly.
+  b = memory.plan(cfg, "bf16", batch, prompt, new, None, r, 4, True)
+  dense = sum(L * k * n * 2 for k, n in projections.values())
+  assert b.weights == weights - sum(_nvfp4_bytes(k, n, L) for k, n in projections.values()) + dense
+
+
+def test_refuses_with_the_knob_to_turn():
+  import dataclasses
+  cfg = ModelConfig(**TINY, dtype=jnp.bfloat16)
+  p = memory.plan(cfg, "nvfp4", 64, 256, 1024, None, 8, 8, True)
+  gb = int(1e9)
+  # Which phase and part dominates decides the advice; capacity 10 GB (9.5 usable).
+  rollout_heavy = dataclasses.replace(p, kv_cache=12 * gb)
+  with pytest.raises(memory.PlanTooLarge, match=r"KV cache is 12.0 GB.*rollout.batch_size .*max_new_tokens"):
+    memory.check_fits(rollout_heavy, 10 * gb)
+  update_heavy = dataclasses.replace(p, activations=12 * gb)
+  with pytest.raises(memory.PlanTooLarge, match="activations are 12.0 GB: lower train.micro_batch_size, set "
+                     "model.remat=True"):
+    memory.check_fits(update_heavy, 10 * gb)
+  logprob_heavy = dataclasses.replace(p, logprob_buffers=12 * gb)
+  with pytest.raises(memory.PlanTooLarge, match="train.logprob_chunk or train.vocab_chunk"):
+    memory.check_fits(logprob_heavy, 10 * gb)
+  weight_heavy = dataclasses.replace(p, weights=11 * gb)
+  with pytest.raises(memory.PlanTooLarge, match="raise mesh.fsdp"):
+    memory.check_fits(weight_heavy, 10 * gb)
+  memory.check_fits(p, int(p.peak * 1.1))  # fits: no error
+  memory.check_fits(weight_heavy, None)  # unknown capacity (CPU): no check
+  with pytest.raises(ValueError, match="batch=10 must be divisible by micro_batch=4"):
+    memory.plan(cfg, "nvfp4", 10, 16, 16, None, 4, 4, True)
+
+
+def test_remat_and_micro_batch_move_the_estimate_the_right_way():
+  cfg = ModelConfig(**TINY, dtype=jnp.bfloat16)
+  kw = dict(batch=64, prompt_len=128, max_new_tokens=512, lora_rank=8)
+  remat = memory.plan(cfg, "nvfp4", micro_batch=8, remat=True, **kw)
+  full = memory.plan(cfg, "nvfp4", micro_batch=8, remat=False, **kw)
+  small = memory.plan(cfg, "nvfp4", micro_batch=4, remat=True, **kw)
+  assert remat.activations < full.activations
+  assert small.activations < remat.activations
+  assert remat.kv_cache == small.kv_cache  # the rollout does not depend on the update's micro-batch
+
+
+def _update_compiled(cfg, quant, micro, prompt, new, seed):
+  rng = np.random.default_rng(seed)
+  base = random_base(cfg, jax.random.key(seed), quant)
+  model = Transformer(cfg, base, lora=LoraConfig(rank=4), train_norms=True, rngs=nnx.Rngs(seed))
+  graphdef, trainable, frozen = split_params(model)
+  settings = UpdateSettings(micro_batch_size=micro, logprob_chunk=16, vocab_chunk=128, max_len=new)
+  update, optimizer, _ = jit_update(graphdef, OptimizerSettings(1e-3, 4), settings)
+  state = init_train_state(trainable.to_pure_dict(), optimizer, 0)
+  rows = 2 * micro
+  batch = {"prompt_BxP": np.zeros((rows, prompt), np.int32), "prompt_valid_BxP": np.ones((rows, prompt), bool),
+           "completion_BxN": rng.integers(0, cfg.vocab_size, (rows, new)).astype(np.int32),
+           "mask_BxN": np.ones((rows, new), bool), "truncated_B": np.zeros(rows, bool),
+           "advantages_B": np.ones(rows, np.float32), "old_logp_BxN": np.zeros((rows, new), np.float32),
+           "rollout_logp_BxN": np.zeros((rows, new), np.float32)}
+  return update.lower(state, frozen, batch, jnp.asarray(True)).compile(), rows
+
+
+@pytest.mark.parametrize("remat", [True, False])
+def test_estimate_against_xla_memory_analysis(request, remat):
+  """Planner vs XLA's buffer assignment for the compiled update on CPU (float32 model, NVFP4 base without a
+  fused kernel). Arguments are counted exactly; the modelled temporaries (activations, gradients, log-prob
+  slices, dequantized layer) must land within a factor of 2 of XLA's temp size, and the ratio is printed."""
+  seed = zlib.crc32(request.node.name.encode())
+  cfg = ModelConfig(**TINY, dtype=jnp.float32, remat=remat)
+  micro, prompt, new = 4, 64, 64
+  compiled, rows = _update_compiled(cfg, "nvfp4", micro, prompt, new, seed)
+  analysis = compiled.memory_analysis()
+  assert analysis is not None, "this jax's CPU backend gives no memory analysis"
+  p = memory.plan(cfg, "nvfp4", rows, prompt, new, None, 4, micro, remat, logprob_chunk=16, vocab_chunk=128,
+                  fused_kernel=False)
+  state_and_base = p.weights + p.lora + p.optimizer
+  args = analysis.argument_size_in_bytes
+  # Arguments: the base, the trainable state, the batch (the planner's batch is an upper bound of it).
+  assert state_and_base <= args <= state_and_base + p.batch + 4096, (args, state_and_base, p.batch)
+  temp_plan = p.grads + p.activations + p.logprob_buffers + p.dequant
+  ratio = temp_plan / analysis.temp_size_in_bytes
+  print(f"remat={remat}: planned temporaries {temp_plan} B vs XLA temp {analysis.temp_size_in_bytes} B "
+        f"(ratio {ratio:.2f})")
+  assert 0.5 <= ratio <= 2.0, (temp_plan, analysis.temp_size_in_bytes)
