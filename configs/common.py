@@ -110,6 +110,12 @@ def recipe() -> ml_collections.ConfigDict:
   c.train.log_every = 1  # steps between metric lines
   c.train.log_samples = 4  # completions per step written to workdir/samples.jsonl (0 = none)
 
+  # Device mesh (qerl_jax.sharding): axis sizes, -1 = the devices left over; all 1 = one device.
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = 1  # data parallelism: rollout and update rows split, parameters replicated
+  c.mesh.fsdp = 1  # rows split and the base / adapters / optimizer state stored split
+  c.mesh.tensor = 1  # q/k/v/gate/up outputs, o/down inputs and the KV cache heads split
+
   c.aqn = ml_collections.ConfigDict()
   c.aqn.enabled = True  # adaptive quantization noise on the rollout policy's RMSNorm scales
   c.aqn.sigma_start = 1e-2  # sigma of stage 1

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from qerl_jax import memory, sharding
 from qerl_jax.data import PromptSampler
 from qerl_jax.model import split_params
 from qerl_jax.rewards import compute_rewards
@@ -67,6 +68,13 @@ class Trainer:
     if resume_step is not None:
       self.state = checkpointer.restore(resume_step, self.state)
       self.sampler.restore(sampler_state(self.state.data))
+    self.mesh = mesh_from_config(c)
+    if self.mesh is not None:  # split base, state and (per step) batches over the devices by the rules
+      self.frozen = sharding.place(self.frozen, self.mesh, prefix="frozen")
+      self.state = sharding.place(device_part(self.state), self.mesh).replace(data=self.state.data)
+      self.update, self.optimizer, self.schedule = sharding.jit_update_sharded(
+        self.graphdef, OptimizerSettings.from_config(c), self.settings, self.mesh, device_part(self.state),
+        self.frozen)
     self.ref_logprobs = jit_logprobs(self.graphdef, self.settings) if self.ref_params is not None else None
     self.sampling = SamplingParams(temperature=c.rollout.temperature, top_p=c.rollout.top_p,
                                    top_k=c.rollout.top_k)
@@ -92,6 +100,7 @@ class Trainer:
         resume = None
     model, tokenizer = setup.build_model(config)
     validate_model(config, model.config, tokenizer)
+    check_memory(config, model.config)
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
     trainer = cls(config, workdir, model, tokenizer, checkpointer, resume)
@@ -127,7 +136,8 @@ class Trainer:
       self.graphdef, self.policy_state(), prompts, key=jax.random.fold_in(self.state.sample_key, step),
       norm_noise=noise, sampling=self.sampling, max_new_tokens=self.config.rollout.max_new_tokens,
       stop_ids=self.stop_ids, pad_id=self.pad_id, prompt_bucket=self.config.rollout.prompt_bucket,
-      chunk=self.config.rollout.batch_size)
+      chunk=self.config.rollout.batch_size,
+      rows_sharding=None if self.mesh is None else sharding.batch_sharding(self.mesh, 2))
     return pending, golds, sigma
 
   def finish_step(self, step: int, pending, golds, sigma):
@@ -144,6 +154,8 @@ class Trainer:
       "truncated_B": ~out.finished_B, "advantages_B": advantages_B.astype(np.float32),
       "old_logp_BxN": np.zeros_like(out.logprobs_BxN[:, :n]), "rollout_logp_BxN": out.logprobs_BxN[:, :n],
     }
+    if self.mesh is not None:
+      batch = sharding.place(batch, self.mesh, prefix="batch")
     update_start = time.perf_counter()
     if self.ref_logprobs is not None:
       batch["ref_logp_BxN"] = self.ref_logprobs(self.ref_params, self.frozen, batch)
@@ -191,6 +203,26 @@ class Trainer:
     nonfinite = np.asarray(jax.device_get(self.state.nonfinite))
     metrics["nonfinite/consecutive"], metrics["nonfinite/total"] = float(nonfinite[0]), float(nonfinite[1])
     return metrics
+
+
+def mesh_from_config(config):
+  """The device mesh of `config.mesh`, or None for the single-device default (all sizes 1)."""
+  spec = dict(config.mesh) if "mesh" in config else {}
+  if all(int(v) == 1 for v in spec.values()):
+    return None
+  mesh = sharding.make_mesh(spec)
+  logging.info("mesh: %s", sharding.describe(mesh))
+  return mesh
+
+
+def check_memory(config, model_config) -> memory.Plan:
+  """Logs the memory plan of one step and refuses one that cannot fit the device (before compiling)."""
+  spec = dict(config.mesh) if "mesh" in config else {}
+  shape = sharding.mesh_shape(spec, jax.device_count()) if any(int(v) != 1 for v in spec.values()) else None
+  plan = memory.plan_from_config(config, model_config, shape)
+  logging.info("%s", plan.table())
+  memory.check_fits(plan, memory.device_capacity())
+  return plan
 
 
 def _check_nonfinite(metrics: dict, config, step: int) -> None:

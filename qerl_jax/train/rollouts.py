@@ -49,11 +49,12 @@ class Pending:
 
 def dispatch(graphdef, state, prompts: list[list[int]], *, key, norm_noise, sampling: SamplingParams,
              max_new_tokens: int, stop_ids: tuple[int, ...], pad_id: int, prompt_bucket: int,
-             chunk: int = 0) -> Pending:
+             chunk: int = 0, rows_sharding=None) -> Pending:
   """Starts sampling one completion per prompt row (repeat a prompt G times for a group); returns at once.
 
   chunk: rows per rollout call (0 = all); the batch is padded with filler rows up to a multiple of it, and
-  chunk c uses the key fold_in(key, c).
+  chunk c uses the key fold_in(key, c). rows_sharding: where to place each chunk's prompt rows on a
+  multi-device mesh (`qerl_jax.sharding.batch_sharding(mesh, 2)`); the rollout program follows it.
   """
   start = time.perf_counter()
   rows = len(prompts)
@@ -64,7 +65,10 @@ def dispatch(graphdef, state, prompts: list[list[int]], *, key, norm_noise, samp
   outs = []
   for c in range(padded_rows // chunk):
     sl = slice(c * chunk, (c + 1) * chunk)
-    outs.append(rollout(graphdef, state, tokens[sl], valid[sl], jax.random.fold_in(key, c), norm_noise,
+    chunk_tokens, chunk_valid = tokens[sl], valid[sl]
+    if rows_sharding is not None:
+      chunk_tokens, chunk_valid = jax.device_put((chunk_tokens, chunk_valid), rows_sharding)
+    outs.append(rollout(graphdef, state, chunk_tokens, chunk_valid, jax.random.fold_in(key, c), norm_noise,
                         sampling=sampling, max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id))
   return Pending(outs, tokens[:rows], valid[:rows], rows, start)
 
