@@ -40,7 +40,8 @@ flags.DEFINE_string("workdir", "workdir_qerl", "Checkpoints, metrics.jsonl, Tens
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  from qerl_jax import train  # pylint: disable=import-outside-toplevel (after flag parsing: fast --help)
+  from qerl_jax import sharding, train  # pylint: disable=import-outside-toplevel (after flag parsing: fast --help)
+  sharding.initialize_distributed()  # multi-host only (SLURM / Open MPI / JAX_COORDINATOR_ADDRESS); else no-op
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
   config = flags.FLAGS.config

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -115,18 +116,13 @@ def is_trivial(mesh: Mesh | None) -> bool:
 
 
 def path_str(path) -> str:
-  """'layers/q_proj/weight/packed_NxKh' for a jax key path (NNX `.value` hops dropped)."""
-  parts = []
-  for entry in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(entry, attr):
-        part = str(getattr(entry, attr))
-        break
-    else:
-      part = str(entry)
-    if part != "value":
-      parts.append(part)
-  return "/".join(parts)
+  """'layers/q_proj/weight/packed_NxKh' for a jax key path (NNX `.value` hops dropped).
+
+  The project's one path-to-name function: partition rules, weight-decay masks and the LoRA-B switch all
+  match their regexes against it.
+  """
+  name = jax.tree_util.keystr(path, simple=True, separator="/")
+  return "/".join(part for part in name.split("/") if part != "value")
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -250,3 +246,31 @@ def jit_update_sharded(graphdef, optimizer_settings, settings, mesh: Mesh, state
   jitted = jax.jit(fn, in_shardings=(state_sh, frozen_sh, None, replicated),
                    out_shardings=(state_sh, replicated, batch_sharding(mesh, 2)), donate_argnums=(0,))
   return jitted, optimizer, schedule
+
+
+def distributed_args(env=None) -> dict | None:
+  """Arguments for `jax.distributed.initialize` on a multi-host run, or None for a single process.
+
+  Every host runs the same command. SLURM and Open MPI jobs of more than one task are detected by JAX
+  itself (no arguments needed); by hand, set JAX_COORDINATOR_ADDRESS=host0:port, JAX_NUM_PROCESSES and
+  JAX_PROCESS_ID on each host.
+  """
+  env = os.environ if env is None else env
+  if env.get("JAX_COORDINATOR_ADDRESS"):
+    missing = [k for k in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if k not in env]
+    if missing:
+      raise ValueError(f"JAX_COORDINATOR_ADDRESS is set but {missing} are not: set all three on every host")
+    return {"coordinator_address": env["JAX_COORDINATOR_ADDRESS"],
+            "num_processes": int(env["JAX_NUM_PROCESSES"]), "process_id": int(env["JAX_PROCESS_ID"])}
+  if int(env.get("SLURM_NTASKS", "1")) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+    return {}
+  return None
+
+
+def initialize_distributed(env=None) -> bool:
+  """Calls `jax.distributed.initialize` when the environment describes several processes; True if it did."""
+  args = distributed_args(env)
+  if args is None:
+    return False
+  jax.distributed.initialize(**args)
+  return True

@@ -248,3 +248,15 @@ def _main():
 
 if __name__ == "__main__":
   _main()
+
+
+def test_distributed_args_from_the_environment():
+  from qerl_jax.sharding import distributed_args
+  assert distributed_args({}) is None
+  assert distributed_args({"SLURM_NTASKS": "1"}) is None
+  assert distributed_args({"SLURM_NTASKS": "4"}) == {}  # JAX's own SLURM detection
+  assert distributed_args({"OMPI_COMM_WORLD_SIZE": "2"}) == {}
+  env = {"JAX_COORDINATOR_ADDRESS": "host0:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
+  assert distributed_args(env) == {"coordinator_address": "host0:1234", "num_processes": 2, "process_id": 1}
+  with pytest.raises(ValueError, match="JAX_PROCESS_ID"):
+    distributed_args({"JAX_COORDINATOR_ADDRESS": "host0:1234", "JAX_NUM_PROCESSES": "2"})

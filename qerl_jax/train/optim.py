@@ -13,26 +13,16 @@ from typing import Any
 import jax
 import optax
 
+from qerl_jax.sharding import path_str
+
 # Parameters whose path (lower-cased, "/"-joined) matches this take no weight decay.
 NO_DECAY_PATTERN = r"norm|bias"
-
-
-def _path_str(path) -> str:
-  parts = []
-  for entry in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(entry, attr):
-        parts.append(str(getattr(entry, attr)))
-        break
-    else:
-      parts.append(str(entry))
-  return "/".join(parts)
 
 
 def decay_mask(params: Any, no_decay_pattern: str = NO_DECAY_PATTERN) -> Any:
   """Pytree of bools like `params`: True where weight decay applies (not norms, not biases)."""
   regex = re.compile(no_decay_pattern)
-  return jax.tree_util.tree_map_with_path(lambda p, _: regex.search(_path_str(p).lower()) is None, params)
+  return jax.tree_util.tree_map_with_path(lambda p, _: regex.search(path_str(p).lower()) is None, params)
 
 
 def learning_rate_schedule(learning_rate: float, total_updates: int, warmup_ratio: float,

@@ -14,23 +14,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qerl_jax.sharding import path_str
 from qerl_jax.train.logprobs import token_logprobs
 
 # Trainable leaves that are LoRA "B" matrices (zero at init, PEFT-style): zeroing them turns adapters off.
 LORA_B_PATTERN = r"(^|/)lora_b$"
-
-
-def path_str(path) -> str:
-  """'layers/q_proj/lora/b' for a jax key path."""
-  parts = []
-  for entry in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(entry, attr):
-        parts.append(str(getattr(entry, attr)))
-        break
-    else:
-      parts.append(str(entry))
-  return "/".join(parts)
 
 
 def merge(graphdef, params: dict, frozen) -> nnx.Module:
