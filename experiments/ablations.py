@@ -11,7 +11,8 @@ Commands:
   python -m experiments.plot_ablations experiments/results/ablations/*.jsonl
 
 Machine: the full mode is sized for 2 CPU cores (about 19 s per step, 30 steps per run: ~10 minutes per
-(variant, seed); "formats" with 3 seeds is ~2.5 hours). A run killed midway resumes from its workdir.
+(variant, seed); "formats" with 3 seeds is ~2.5 hours). A run killed midway resumes from its workdir
+(--workdir_root; run the same command again).
 Re-running a (variant, seed) replaces its lines in --out, so the file never holds a run twice.
 
 The paper's claims each study checks (at 7B-32B, hundreds of steps; a 135M model over 30 steps may not
@@ -30,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from typing import Any, Sequence
 
 if __package__ in (None, ""):  # `python experiments/ablations.py`: make the repo root importable
@@ -41,9 +43,10 @@ from configs import smollm2_135m  # noqa: E402
 Override = tuple[str, Any]
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ablations")
 
-# The embedded default trains a 135M model for 30 steps at 3e-4, 30x the paper's NVFP4 rate of 1e-5 for
-# 7B+ models; the learning-rate study scales the paper's grid by the same factor.
-SMALL_LR = 3e-4
+# The embedded default trains a 135M model for 30 steps at a rate far above the paper's NVFP4 rate of 1e-5
+# for 7B+ models; the learning-rate study scales the paper's grid by the same factor, so its middle point is
+# the default (read from the config, so the grid follows when the default is retuned).
+SMALL_LR = smollm2_135m.get_config().train.learning_rate
 LR_SCALE = SMALL_LR / common.PAPER_LR["nvfp4"]
 PAPER_LRS = (5e-6, 1e-5, 3e-5)
 SMOKE_STEPS = 2
@@ -122,6 +125,9 @@ def variant_config(study: str, variant: str, seed: int, *, smoke: bool, steps: i
     c.eval.at_end = False
     c.train.log_samples = 0
     c.train.checkpoint_every = c.train.steps
+    # A random model's 8-token completions never stop: masking truncated ones (the default's choice) would
+    # leave the update nothing, and smoke mode would not exercise the loss, entropy or gradients.
+    c.train.mask_truncated = False
   return c
 
 
@@ -204,11 +210,12 @@ def main(argv: Sequence[str] | None = None) -> None:
   p.add_argument("--smoke", action="store_true", help="tiny random model, 2 variants, 1 seed, 2 steps")
   p.add_argument("--variants", default="", help="comma-separated subset of the study's variants")
   p.add_argument("--out", default="", help="JSON lines (default experiments/results/ablations/STUDY.jsonl)")
-  p.add_argument("--workdir_root", default="", help="per-run workdirs (default: OUT without .jsonl + _runs)")
+  p.add_argument("--workdir_root", default="",
+                 help="per-run workdirs (checkpoints; default $TMPDIR/qerl_ablations/STUDY, outside the repo)")
   args = p.parse_args(argv)
   suffix = "_smoke" if args.smoke else ""
   out = args.out or os.path.join(RESULTS_DIR, f"{args.study}{suffix}.jsonl")
-  root = args.workdir_root or os.path.splitext(out)[0] + "_runs"
+  root = args.workdir_root or os.path.join(tempfile.gettempdir(), "qerl_ablations", args.study + suffix)
   seeds = args.seeds if args.seeds is not None else (1 if args.smoke else 3)
   variants = [v.strip() for v in args.variants.split(",") if v.strip()] or None
   rows = run_study(args.study, seeds=seeds, out=out, workdir_root=root, smoke=args.smoke, steps=args.steps,
