@@ -1,6 +1,7 @@
 r"""Ablation JSON lines -> one PNG per study (mean over seeds, min-max band) and a markdown table.
 
   python -m experiments.plot_ablations experiments/results/ablations/*.jsonl [--outdir DIR] [--window 10]
+  python -m experiments.plot_ablations --entropy experiments/results/entropy.jsonl   # its table only
 
 Each input line is one training step of one (study, variant, seed), as experiments/ablations.py writes
 them. The table has, per variant, the number of seeds and the mean (± std over seeds) of reward, accuracy
@@ -128,6 +129,21 @@ def markdown_table(rows: list[dict], study: str, window: int) -> str:
   return "\n".join(lines)
 
 
+def entropy_table(path: str) -> str:
+  """The lines of experiments/entropy.py (one per format) as a markdown table."""
+  with open(path) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  missing = [n for n, r in enumerate(rows, 1) if "format" not in r or "entropy" not in r]
+  if missing:
+    raise ValueError(f"{path}: lines {missing} are not experiments/entropy.py lines")
+  lines = ["| format | mean token entropy | first-token entropy | sampled NLL | reward | accuracy | completions |",
+           "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['format']} | {r['entropy']:.4f} | {r['first_token_entropy']:.4f} | "
+                 f"{r['sampled_nll']:.4f} | {r['reward/mean']:.4f} | {r['accuracy']:.3f} | {r['num_completions']} |")
+  return "\n".join(lines)
+
+
 def plot_all(paths: Sequence[str], outdir: str, window: int = 10) -> tuple[list[str], str]:
   """A PNG per study found in `paths` (written to outdir/STUDY.png) and the markdown of all their tables."""
   rows = read_lines(paths)
@@ -143,17 +159,23 @@ def plot_all(paths: Sequence[str], outdir: str, window: int = 10) -> tuple[list[
 
 def main(argv: Sequence[str] | None = None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("paths", nargs="+", help="JSON-lines files written by experiments/ablations.py")
+  p.add_argument("paths", nargs="*", help="JSON-lines files written by experiments/ablations.py")
+  p.add_argument("--entropy", default="", help="also print the table of an experiments/entropy.py output")
   p.add_argument("--outdir", default="", help="where the PNGs go (default: beside the first input)")
   p.add_argument("--window", type=int, default=10, help="steps averaged at the start and the end")
   args = p.parse_args(argv)
   if args.window <= 0:
     raise ValueError(f"{args.window=} must be > 0")
-  outdir = args.outdir or os.path.dirname(os.path.abspath(args.paths[0]))
-  pngs, table = plot_all(args.paths, outdir, args.window)
-  print(table)
-  for png in pngs:
-    print(f"wrote {png}", file=sys.stderr)
+  if not args.paths and not args.entropy:
+    p.error("give ablation JSON-lines files and/or --entropy PATH")
+  if args.entropy:
+    print(entropy_table(args.entropy) + "\n")
+  if args.paths:
+    outdir = args.outdir or os.path.dirname(os.path.abspath(args.paths[0]))
+    pngs, table = plot_all(args.paths, outdir, args.window)
+    print(table)
+    for png in pngs:
+      print(f"wrote {png}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -152,6 +152,9 @@ def test_entropy_smoke_writes_one_line_per_format(tmp_path):
     assert 0.0 <= r["accuracy"] <= 1.0 and r["response_length/mean"] == 8.0
   # Same prompts, keys and random base: the formats differ only by their 4-bit rounding.
   assert rows[0]["entropy"] != rows[1]["entropy"] or rows[0]["sampled_nll"] != rows[1]["sampled_nll"]
+  table = plot_ablations.entropy_table(out).splitlines()
+  assert len(table) == 2 + 3 and table[3].startswith("| nvfp4 | ")
+  assert table[3].split("|")[2].strip() == f"{rows[1]['entropy']:.4f}"
 
 
 def _synthetic_lines(rng, study, variants, seeds, steps):
