@@ -174,6 +174,9 @@ def shrink_to_smoke(c: ml_collections.ConfigDict, model_type: str) -> None:
   c.train.logprob_chunk = 8
   c.train.vocab_chunk = 8192
   c.train.checkpoint_every = 2
+  # A random model's 8-token completions never stop: masking truncated ones would leave the update
+  # nothing to learn from, and the smoke run would not exercise the loss, entropy or gradients.
+  c.train.mask_truncated = False
   c.aqn.num_stages = 3  # stage 0 noise-free, stages 1-2 noisy: both paths run in 3 steps
   c.eval.num_examples = 4
   c.eval.num_samples = 2

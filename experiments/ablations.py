@@ -126,10 +126,7 @@ def variant_config(study: str, variant: str, seed: int, *, smoke: bool, steps: i
   if smoke:  # only the curves matter here: no held-out eval, no samples file, one checkpoint at the end
     c.eval.at_end = False
     c.train.log_samples = 0
-    c.train.checkpoint_every = c.train.steps
-    # A random model's 8-token completions never stop: masking truncated ones (the default's choice) would
-    # leave the update nothing, and smoke mode would not exercise the loss, entropy or gradients.
-    c.train.mask_truncated = False
+    c.train.checkpoint_every = c.train.steps  # (shrink_to_smoke keeps truncated completions in the loss)
   return c
 
 
