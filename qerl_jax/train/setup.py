@@ -19,8 +19,6 @@ from qerl_jax import data as data_lib
 from qerl_jax.data.example import SYSTEM_PROMPT
 
 BUILTIN_SMOLLM2 = "builtin:smollm2"
-TRAIN_DATASETS = ("gsm8k", "math500", "bigmath", "bigmath_hard", "dapo_math", "arithmetic")
-EVAL_DATASETS = ("gsm8k", "math500", "arithmetic")
 # The arithmetic eval set is drawn with this seed offset, so it never shares the training problems' stream.
 _EVAL_SEED_OFFSET = 1_000_003
 
@@ -174,22 +172,28 @@ def _first(dataset, n: int):
   return dataset
 
 
+# name -> (config, split) -> PromptDataset. "train" and "test" select the split where a data set has both;
+# the arithmetic task draws its evaluation problems from another seed than its training problems.
+_LOADERS = {
+  "gsm8k": lambda c, split, path: data_lib.load_gsm8k(split, path),
+  "math500": lambda c, split, path: data_lib.load_math500(path),
+  "bigmath": lambda c, split, path: data_lib.load_bigmath("3-5"),
+  "bigmath_hard": lambda c, split, path: data_lib.load_bigmath("4-5"),
+  "dapo_math": lambda c, split, path: data_lib.load_dapo_math(),
+  "arithmetic": lambda c, split, path: data_lib.make_arithmetic_dataset(
+    (c.data.num_examples or 4096) if split == "train" else (c.eval.num_examples or 500), c.data.difficulty,
+    seed=c.seed + (0 if split == "train" else _EVAL_SEED_OFFSET)),
+}
+TRAIN_DATASETS = tuple(_LOADERS)
+EVAL_DATASETS = ("gsm8k", "math500", "arithmetic")
+
+
 def load_train_dataset(config, tokenizer):
   """The training prompts, over-long ones (data.max_prompt_tokens) filtered out."""
   d = config.data
-  path = d.path or None
-  if d.name == "gsm8k":
-    dataset = data_lib.load_gsm8k("train", path)
-  elif d.name == "math500":
-    dataset = data_lib.load_math500(path)
-  elif d.name in ("bigmath", "bigmath_hard"):
-    dataset = data_lib.load_bigmath("3-5" if d.name == "bigmath" else "4-5")
-  elif d.name == "dapo_math":
-    dataset = data_lib.load_dapo_math()
-  elif d.name == "arithmetic":
-    dataset = data_lib.make_arithmetic_dataset(d.num_examples or 4096, d.difficulty, seed=config.seed)
-  else:
+  if d.name not in TRAIN_DATASETS:
     raise ValueError(f"data.name={d.name!r} must be one of {TRAIN_DATASETS}")
+  dataset = _LOADERS[d.name](config, "train", d.path or None)
   dataset = with_few_shot(_first(dataset, d.num_examples if d.name != "arithmetic" else 0), config)
   return data_lib.filter_long_prompts(dataset, tokenizer, d.max_prompt_tokens, system_prompt(config))
 
@@ -197,16 +201,9 @@ def load_train_dataset(config, tokenizer):
 def load_eval_dataset(config, tokenizer):
   """The evaluation problems (the first eval.num_examples), over-long prompts filtered out."""
   e = config.eval
-  path = e.path or None
-  if e.dataset == "gsm8k":
-    dataset = data_lib.load_gsm8k("test", path)
-  elif e.dataset == "math500":
-    dataset = data_lib.load_math500(path)
-  elif e.dataset == "arithmetic":
-    dataset = data_lib.make_arithmetic_dataset(max(e.num_examples, 1) if e.num_examples else 500,
-                                               config.data.difficulty, seed=config.seed + _EVAL_SEED_OFFSET)
-  else:
+  if e.dataset not in EVAL_DATASETS:
     raise ValueError(f"eval.dataset={e.dataset!r} must be one of {EVAL_DATASETS}")
+  dataset = _LOADERS[e.dataset](config, "test", e.path or None)
   dataset = with_few_shot(_first(dataset, e.num_examples), config)
   return data_lib.filter_long_prompts(dataset, tokenizer, config.data.max_prompt_tokens, system_prompt(config))
 
