@@ -106,8 +106,8 @@ def test_decode_compiles_once_per_bucket_and_seeds_reproduce(tiny_qwen2):
   kwargs = dict(max_new_tokens=8, temperature=1.0, stop_token_ids=(), num_samples=2)
   qerl_jax.generate(model, IdTokenizer(), _prompts(rng, 2), seed=1, **kwargs)
   before = engine.TRACE_COUNT["rollout"]
-  a = qerl_jax.generate(model, IdTokenizer(), _prompts(rng, 2), seed=1, **kwargs)  # same bucket: 4 rows, <64
-  b = qerl_jax.generate(model, IdTokenizer(), [a[0].token_ids[:0] + [7, 8, 9]] * 2, seed=3, **kwargs)
+  qerl_jax.generate(model, IdTokenizer(), _prompts(rng, 2), seed=2, **kwargs)  # same bucket: 4 rows, <64
+  b = qerl_jax.generate(model, IdTokenizer(), [[7, 8, 9]] * 2, seed=3, **kwargs)
   assert engine.TRACE_COUNT["rollout"] == before, "the decode loop was traced again inside one bucket"
   again = qerl_jax.generate(model, IdTokenizer(), [[7, 8, 9]] * 2, seed=3, **kwargs)
   assert [c.token_ids for c in again] == [c.token_ids for c in b]
