@@ -13,8 +13,6 @@ model learns to close its answer in <answer></answer> tags with the right sum), 
 evaluation on held-out problems; numbers in experiments/RESULTS.md.
 """
 
-import ml_collections
-
 from configs import common
 
 # LoRA on a 135M model over 30 steps needs far more than 7B's 1e-5. At 3e-4 (mask_truncated off) the policy
@@ -71,5 +69,3 @@ def get_config(arg=None):
     c.rollout.prompt_bucket = 96  # one prompt bucket: one compile
   return c
 
-
-_ = ml_collections  # configs are ConfigDicts; the import documents the type

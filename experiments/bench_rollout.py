@@ -129,8 +129,10 @@ def run_one(args):
 
   config = model_config(args.model)
   if args.variant == "unrolled":  # experiment: does the scan's per-layer dynamic slice cost a weight copy?
-    from qerl_jax.model import transformer
-    transformer.jax.lax.scan = unrolled_scan
+    # Replaces jax.lax.scan for this whole (single-run) subprocess; the only scan in a rollout is the model's
+    # layer loop, so no other code is affected.
+    import jax
+    jax.lax.scan = unrolled_scan
   base = synthetic_base(config, args.quant)
   lora = LoraConfig(rank=16, alpha=16, dtype=jnp.bfloat16)
   model = Transformer(config, base, lora=lora, rngs=nnx.Rngs(0))
