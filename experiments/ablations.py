@@ -8,11 +8,17 @@ appended to one JSON-lines file, each line tagged with study, variant, seed and 
 Commands:
   python -m experiments.ablations --study formats --seeds 3 --out experiments/results/ablations/formats.jsonl
   python -m experiments.ablations --study lora_rank --smoke   # CI: 2 variants x 1 seed x 2 steps, tiny random
+  python -m experiments.ablations --study all --preset gpu --jobs 12   # one H200: every study, 3 seeds
   python -m experiments.plot_ablations experiments/results/ablations/*.jsonl
 
-Machine: the full mode is sized for 2 CPU cores (about 19 s per step, 30 steps per run: ~10 minutes per
-(variant, seed); "formats" with 3 seeds is ~2.5 hours). A run killed midway resumes from its workdir
-(--workdir_root; run the same command again).
+Machines: the `cpu` preset is sized for 2 CPU cores (about 19 s per step, 30 steps per run: ~10 minutes per
+(variant, seed); "formats" with 3 seeds is ~2.5 hours). The `gpu` preset is the same model, task, steps and
+schedules with 8 prompts x 8 samples per step (4x the CPU batch: less noise) and a 128-problem held-out
+evaluation; `--jobs N` trains N runs at once in separate processes (a 135M model leaves one H200 mostly
+idle), seeds in the outer loop so that an interrupted sweep has whole seeds. Runs whose configs coincide
+across studies (the default is nvfp4+aqn in "formats", exponential in "aqn_schedules", r16 in "lora_rank",
+nvfp4@1e-05 in "learning_rate") train once and are written to each study, tagged `same_run_as`.
+A run killed midway resumes from its workdir (--workdir_root; run the same command again).
 Re-running a (variant, seed) replaces its lines in --out, so the file never holds a run twice.
 
 The paper's claims each study checks (at 7B-32B, hundreds of steps; a 135M model over 30 steps may not
@@ -26,12 +32,15 @@ show them, and RESULTS.md says so where it does not):
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from typing import Any, Sequence
 
 if __package__ in (None, ""):  # `python experiments/ablations.py`: make the repo root importable
@@ -53,6 +62,12 @@ LORA_SCALE = _DEFAULT.model.lora_alpha / _DEFAULT.model.lora_rank
 LR_SCALE = SMALL_LR / common.PAPER_LR["nvfp4"]
 PAPER_LRS = (5e-6, 1e-5, 3e-5)
 SMOKE_STEPS = 2
+# Overrides per machine preset; "cpu" is the embedded default itself.
+PRESETS: dict[str, tuple[Override, ...]] = {
+  "cpu": (),
+  # Micro-batches of 16 as on CPU: one of 64 needs a 15 GB temporary, too much for 15 runs sharing a GPU.
+  "gpu": (("train.batch_size", 64), ("train.micro_batch_size", 16), ("eval.num_examples", 128)),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,14 +122,20 @@ def apply_overrides(config, overrides: Sequence[Override]) -> None:
     node[leaf] = value
 
 
-def variant_config(study: str, variant: str, seed: int, *, smoke: bool, steps: int | None = None):
-  """The config of one (study, variant, seed): the embedded default (or its smoke shrink) + overrides."""
+def variant_config(study: str, variant: str, seed: int, *, smoke: bool, steps: int | None = None,
+                   preset: str = "cpu"):
+  """The config of one (study, variant, seed): the embedded default (or its smoke shrink), the machine
+  preset's overrides (not in smoke mode), then the variant's."""
   if study not in STUDIES:
     raise ValueError(f"{study=} must be one of {sorted(STUDIES)}")
   variants = STUDIES[study].variants
   if variant not in variants:
     raise ValueError(f"{variant=} is not a variant of {study}; known: {list(variants)}")
+  if preset not in PRESETS:
+    raise ValueError(f"{preset=} must be one of {sorted(PRESETS)}")
   c = smollm2_135m.get_config("smoke" if smoke else None)
+  if not smoke:
+    apply_overrides(c, PRESETS[preset])
   apply_overrides(c, variants[variant])
   c.seed = seed
   if steps is not None:
@@ -161,16 +182,41 @@ def _replace_run_lines(out: str, study: str, variant: str, seed: int, rows: list
   os.replace(tmp, out)
 
 
-def run_one(study: str, variant: str, seed: int, *, out: str, workdir: str, smoke: bool,
-            steps: int | None = None, commit: str | None = None) -> list[dict]:
-  """Trains one (variant, seed) in `workdir` and writes its per-step lines to `out`; returns them."""
+@dataclasses.dataclass(frozen=True)
+class Job:
+  """One training run: a seed and every (study, variant) whose config it is; the first one trains."""
+
+  names: tuple[tuple[str, str], ...]
+  seed: int
+
+
+def plan_jobs(studies: Sequence[str], seeds: int, *, smoke: bool, steps: int | None = None, preset: str = "cpu",
+              variants: Sequence[str] | None = None) -> list[Job]:
+  """The runs of `studies` (smoke: each study's two smoke variants), one per distinct config, seeds outermost."""
+  if seeds <= 0:
+    raise ValueError(f"{seeds=} must be > 0")
+  if variants and len(studies) != 1:
+    raise ValueError(f"--variants {list(variants)} needs exactly one study, got {list(studies)}")
+  by_config: dict[str, list[tuple[str, str]]] = {}
+  for study in studies:
+    if study not in STUDIES:
+      raise ValueError(f"{study=} must be one of {sorted(STUDIES)}")
+    for variant in variants or (STUDIES[study].smoke if smoke else STUDIES[study].variants):
+      key = variant_config(study, variant, 0, smoke=smoke, steps=steps, preset=preset).to_json()
+      by_config.setdefault(key, []).append((study, variant))
+  return [Job(tuple(names), seed) for seed in range(seeds) for names in by_config.values()]
+
+
+def train_run(study: str, variant: str, seed: int, *, workdir: str, smoke: bool, steps: int | None = None,
+              preset: str = "cpu", commit: str | None = None) -> list[dict]:
+  """Trains one (variant, seed) in `workdir`; returns its per-step lines, the final eval on the last one."""
   from qerl_jax.train import train_and_evaluate  # pylint: disable=import-outside-toplevel
   from qerl_jax.train.metrics_log import METRICS_FILE, read_metrics  # pylint: disable=import-outside-toplevel
 
-  config = variant_config(study, variant, seed, smoke=smoke, steps=steps)
+  config = variant_config(study, variant, seed, smoke=smoke, steps=steps, preset=preset)
   last = train_and_evaluate(config, workdir)
   tag = {"study": study, "variant": variant, "seed": seed, "commit": commit or git_commit(),
-         "smoke": smoke, "quant": config.model.quant}
+         "smoke": smoke, "preset": preset, "quant": config.model.quant}
   rows = [{**tag, **row} for row in read_metrics(os.path.join(workdir, METRICS_FILE))]
   if not rows:
     raise RuntimeError(f"{workdir} has no metrics after training {study}/{variant} seed {seed}")
@@ -178,48 +224,157 @@ def run_one(study: str, variant: str, seed: int, *, out: str, workdir: str, smok
   for key, value in report.items():  # held-out pass@k of the final policy rides on the last step's line
     if key.startswith("pass@") or key == "mean_reward":
       rows[-1][f"eval/{key}"] = float(value)
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  _replace_run_lines(out, study, variant, seed, rows)
   return rows
+
+
+def write_run(rows: list[dict], job: Job, outs: dict[str, str]) -> None:
+  """Writes a run's lines into the file of each (study, variant) it stands for, tagged with that name."""
+  first = "/".join(job.names[0])
+  for study, variant in job.names:
+    same = {} if (study, variant) == job.names[0] else {"same_run_as": first}
+    tagged = [{**r, "study": study, "variant": variant, **same} for r in rows]
+    os.makedirs(os.path.dirname(os.path.abspath(outs[study])), exist_ok=True)
+    _replace_run_lines(outs[study], study, variant, job.seed, tagged)
+
+
+def _workdir(root: str, job: Job, multi: bool) -> str:
+  study, variant = job.names[0]
+  return os.path.join(root, (f"{study}." if multi else "") + f"{variant}_seed{job.seed}")
+
+
+def _is_done(out: str, study: str, variant: str, seed: int, preset: str, smoke: bool, steps: int) -> bool:
+  """Whether `out` already holds a full run of (study, variant, seed) in this preset and mode."""
+  if not os.path.exists(out):
+    return False
+  with open(out) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  mine = [r for r in rows if (r.get("study"), r.get("variant"), r.get("seed")) == (study, variant, seed)
+          and r.get("preset", "cpu") == preset and bool(r.get("smoke")) == smoke]
+  return len(mine) >= steps
+
+
+def _run_in_subprocess(job: Job, *, workdir: str, smoke: bool, steps: int | None, preset: str,
+                       commit: str) -> list[dict]:
+  """Trains `job` in a fresh Python process (its own device memory and compile) and returns its lines."""
+  study, variant = job.names[0]
+  os.makedirs(workdir, exist_ok=True)
+  part = os.path.join(workdir, "lines.jsonl")
+  cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--study", study, "--variants", variant,
+         "--worker_seed", str(job.seed), "--preset", preset, "--out", part, "--workdir_root", workdir,
+         "--commit", commit] + (["--steps", str(steps)] if steps is not None else []) + (["--smoke"] if smoke else [])
+  env = dict(os.environ)
+  env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # N processes share one GPU
+  with open(os.path.join(workdir, "log.txt"), "w") as log:
+    code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+  if code:
+    with open(os.path.join(workdir, "log.txt")) as f:
+      tail = f.read()[-3000:]
+    raise RuntimeError(f"{study}/{variant} seed {job.seed} failed (exit {code}):\n{tail}")
+  with open(part) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def run_jobs(jobs: Sequence[Job], *, outs: dict[str, str], workdir_root: str, smoke: bool,
+             steps: int | None = None, preset: str = "cpu", parallel: int = 1, time_budget_s: float | None = None,
+             skip_done: bool = False, log=print) -> list[dict]:
+  """Trains `jobs` (`parallel` at once, each in its own process when > 1) and writes their lines to `outs`.
+
+  With `time_budget_s`, a job starts only while the time left exceeds the longest run so far (so the sweep
+  ends inside the budget once one run has finished); `skip_done` passes over runs `outs` already holds in
+  full. Returns the lines of the runs trained now (one copy per run, under its first name).
+  """
+  if parallel <= 0:
+    raise ValueError(f"{parallel=} must be > 0")
+  commit = git_commit()
+  multi = len({s for job in jobs for s, _ in job.names}) > 1
+  start = time.monotonic()
+  run_steps = steps or (SMOKE_STEPS if smoke else smollm2_135m.get_config().train.steps)
+  todo = [job for job in jobs if not (skip_done and all(
+    _is_done(outs[s], s, v, job.seed, preset, smoke, run_steps) for s, v in job.names))]
+  if len(todo) < len(jobs):
+    log(f"skipping {len(jobs) - len(todo)} runs already in the output files")
+  lock = threading.Lock()
+  written: list[dict] = []
+  longest = [0.0]
+
+  def one(job: Job) -> None:
+    if time_budget_s is not None and time.monotonic() - start + longest[0] > time_budget_s:
+      log(f"time budget: not starting {'/'.join(job.names[0])} seed {job.seed}")
+      return
+    workdir = _workdir(workdir_root, job, multi)
+    t0 = time.monotonic()
+    log(f"[{'/'.join(job.names[0])}] seed {job.seed} -> {workdir}")
+    if parallel == 1:
+      rows = train_run(*job.names[0], job.seed, workdir=workdir, smoke=smoke, steps=steps, preset=preset,
+                       commit=commit)
+    else:
+      rows = _run_in_subprocess(job, workdir=workdir, smoke=smoke, steps=steps, preset=preset, commit=commit)
+    with lock:
+      write_run(rows, job, outs)
+      written.extend(rows)
+      longest[0] = max(longest[0], time.monotonic() - t0)
+    also = ", ".join("/".join(name) for name in job.names[1:])
+    log(f"done {'/'.join(job.names[0])} seed {job.seed} in {time.monotonic() - t0:.0f} s"
+        + (f" (also {also})" if also else ""))
+
+  if parallel == 1:
+    for job in todo:
+      one(job)
+  else:
+    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+      for future in [pool.submit(one, job) for job in todo]:
+        future.result()
+  return written
 
 
 def run_study(study: str, *, seeds: int, out: str, workdir_root: str, smoke: bool, steps: int | None = None,
               variants: Sequence[str] | None = None, log=print) -> list[dict]:
   """Runs every (variant, seed) of a study (smoke: its two smoke variants) and returns all lines written."""
-  if study not in STUDIES:
-    raise ValueError(f"{study=} must be one of {sorted(STUDIES)}")
-  if seeds <= 0:
-    raise ValueError(f"{seeds=} must be > 0")
-  names = list(variants or (STUDIES[study].smoke if smoke else STUDIES[study].variants))
-  commit = git_commit()
-  rows = []
-  for variant in names:
-    for seed in range(seeds):
-      workdir = os.path.join(workdir_root, f"{variant}_seed{seed}")
-      log(f"[{study}] {variant} seed {seed} -> {workdir}")
-      rows += run_one(study, variant, seed, out=out, workdir=workdir, smoke=smoke, steps=steps, commit=commit)
-  return rows
+  jobs = plan_jobs([study], seeds, smoke=smoke, steps=steps, variants=variants)
+  return run_jobs(jobs, outs={study: out}, workdir_root=workdir_root, smoke=smoke, steps=steps, log=log)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--study", required=True, choices=sorted(STUDIES))
+  p.add_argument("--study", required=True, choices=sorted(STUDIES) + ["all"])
   p.add_argument("--seeds", type=int, default=None, help="seeds per variant (default 3; smoke 1)")
   p.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the config's; smoke 2)")
   p.add_argument("--smoke", action="store_true", help="tiny random model, 2 variants, 1 seed, 2 steps")
+  p.add_argument("--preset", default="cpu", choices=sorted(PRESETS), help="machine preset (see the docstring)")
+  p.add_argument("--jobs", type=int, default=1, help="runs trained at once, each in its own process")
+  p.add_argument("--time_budget_s", type=float, default=None,
+                 help="start a run only while the time left exceeds the longest run so far")
+  p.add_argument("--skip_done", action="store_true", help="pass over runs the output files hold in full")
   p.add_argument("--variants", default="", help="comma-separated subset of the study's variants")
-  p.add_argument("--out", default="", help="JSON lines (default experiments/results/ablations/STUDY.jsonl)")
+  p.add_argument("--out", default="",
+                 help="JSON lines (default experiments/results/ablations/STUDY[_PRESET].jsonl); with "
+                      "--study all, the folder for one file per study")
   p.add_argument("--workdir_root", default="",
                  help="per-run workdirs (checkpoints; default $TMPDIR/qerl_ablations/STUDY, outside the repo)")
+  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one run, for --jobs > 1
+  p.add_argument("--worker_seed", type=int, default=0, help=argparse.SUPPRESS)
+  p.add_argument("--commit", default="", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
-  suffix = "_smoke" if args.smoke else ""
-  out = args.out or os.path.join(RESULTS_DIR, f"{args.study}{suffix}.jsonl")
+  variants = [v.strip() for v in args.variants.split(",") if v.strip()] or None
+  if args.worker:
+    rows = train_run(args.study, variants[0], args.worker_seed, workdir=args.workdir_root, smoke=args.smoke,
+                     steps=args.steps, preset=args.preset, commit=args.commit or None)
+    with open(args.out, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+    return
+  studies = sorted(STUDIES) if args.study == "all" else [args.study]
+  suffix = "_smoke" if args.smoke else ("" if args.preset == "cpu" else f"_{args.preset}")
+  if args.study == "all":
+    folder = args.out or RESULTS_DIR
+    outs = {s: os.path.join(folder, f"{s}{suffix}.jsonl") for s in studies}
+  else:
+    outs = {args.study: args.out or os.path.join(RESULTS_DIR, f"{args.study}{suffix}.jsonl")}
   root = args.workdir_root or os.path.join(tempfile.gettempdir(), "qerl_ablations", args.study + suffix)
   seeds = args.seeds if args.seeds is not None else (1 if args.smoke else 3)
-  variants = [v.strip() for v in args.variants.split(",") if v.strip()] or None
-  rows = run_study(args.study, seeds=seeds, out=out, workdir_root=root, smoke=args.smoke, steps=args.steps,
-                   variants=variants)
-  print(f"wrote {len(rows)} lines to {out}")
+  jobs = plan_jobs(studies, seeds, smoke=args.smoke, steps=args.steps, preset=args.preset, variants=variants)
+  rows = run_jobs(jobs, outs=outs, workdir_root=root, smoke=args.smoke, steps=args.steps, preset=args.preset,
+                  parallel=args.jobs, time_budget_s=args.time_budget_s, skip_done=args.skip_done)
+  print(f"trained {len(rows)} step lines into {sorted(set(outs.values()))}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,11 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+if __package__ in (None, ""):  # `python experiments/plot_ablations.py`: make the repo root importable
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments.ablations import STUDIES  # noqa: E402
+
 PANELS = (("reward/mean", "reward"), ("accuracy", "accuracy"), ("entropy", "entropy (nats)"),
           ("response_length/mean", "response length"))
 REQUIRED = ("study", "variant", "seed", "step")
@@ -55,11 +60,19 @@ def curves(rows: list[dict], study: str, metric: str) -> dict[str, tuple[np.ndar
 
 
 def _variant_order(rows: list[dict], study: str) -> list[str]:
+  """The study's variants in registry order (experiments/ablations.py), then any others as first seen."""
   seen = []
   for r in rows:
     if r["study"] == study and r["variant"] not in seen:
       seen.append(r["variant"])
-  return seen
+  registry = list(STUDIES[study].variants) if study in STUDIES else []
+  return [v for v in registry if v in seen] + [v for v in seen if v not in registry]
+
+
+def _png_name(rows: list[dict], study: str) -> str:
+  """STUDY.png for CPU-preset lines, STUDY_PRESET.png otherwise, so the presets' figures sit side by side."""
+  presets = sorted({r.get("preset", "cpu") for r in rows if r["study"] == study})
+  return f"{study}.png" if presets == ["cpu"] else f"{study}_{'_'.join(presets)}.png"
 
 
 def plot_study(rows: list[dict], study: str, path: str) -> str:
@@ -101,6 +114,10 @@ def summary(rows: list[dict], study: str, window: int) -> list[dict]:
       steps_S, values_NxS = curves(rows, study, metric)[variant]
       k = max(1, min(window, len(steps_S)))
       entry["seeds"] = values_NxS.shape[0]
+      if metric == "reward/mean":  # the whole curve's height: how fast reward grew, not only where it ended
+        per_seed_all = values_NxS.mean(1)
+        entry["reward/mean/all"] = float(per_seed_all.mean())
+        entry["reward/mean/all_std"] = float(per_seed_all.std(ddof=1)) if len(per_seed_all) > 1 else 0.0
       for where, cols in (("first", values_NxS[:, :k]), ("last", values_NxS[:, -k:])):
         per_seed = cols.mean(1)
         entry[f"{metric}/{where}"] = float(per_seed.mean())
@@ -119,13 +136,13 @@ def markdown_table(rows: list[dict], study: str, window: int) -> str:
 
   lines = [f"**{study}** (first / last {window} steps; mean ± std over seeds)", "",
            "| variant | seeds | reward first | reward last | accuracy last | entropy first | entropy last "
-           "| eval pass@1 |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| eval pass@1 | reward, all steps |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for e in summary(rows, study, window):
     pass1 = "n/a" if e["eval/pass@1"] is None else f"{e['eval/pass@1']:.3f}"
     lines.append(f"| {e['variant']} | {e['seeds']} | {cell(e, 'reward/mean/first')} | "
                  f"{cell(e, 'reward/mean/last')} | {cell(e, 'accuracy/last')} | {cell(e, 'entropy/first')} | "
-                 f"{cell(e, 'entropy/last')} | {pass1} |")
+                 f"{cell(e, 'entropy/last')} | {pass1} | {cell(e, 'reward/mean/all')} |")
   return "\n".join(lines)
 
 
@@ -153,7 +170,7 @@ def plot_all(paths: Sequence[str], outdir: str, window: int = 10) -> tuple[list[
   for r in rows:
     if r["study"] not in studies:
       studies.append(r["study"])
-  pngs = [plot_study(rows, s, os.path.join(outdir, f"{s}.png")) for s in studies]
+  pngs = [plot_study(rows, s, os.path.join(outdir, _png_name(rows, s))) for s in studies]
   return pngs, "\n\n".join(markdown_table(rows, s, window) for s in studies)
 
 

@@ -42,7 +42,10 @@ def smoke_ablations(tmp_path_factory):
   out = {}
   for study in ("formats", "aqn_schedules"):
     path = str(root / f"{study}.jsonl")
-    ablations.main(["--study", study, "--smoke", "--out", path, "--workdir_root", str(root / f"{study}_runs")])
+    # formats trains its two runs at once in worker processes (--jobs 2), aqn_schedules in this process.
+    jobs = ["--jobs", "2"] if study == "formats" else []
+    ablations.main(["--study", study, "--smoke", "--out", path, "--workdir_root", str(root / f"{study}_runs")]
+                   + jobs)
     out[study] = (path, _read(path))
   return out
 
@@ -124,6 +127,47 @@ def test_bad_names_raise_naming_the_value():
   c = smollm2_135m.get_config("smoke")
   with pytest.raises(KeyError, match="model.nonexistent"):
     ablations.apply_overrides(c, [("model.nonexistent", 1)])
+  with pytest.raises(ValueError, match="preset='tpu'"):
+    ablations.variant_config("formats", "bf16", 0, smoke=False, preset="tpu")
+  with pytest.raises(ValueError, match="needs exactly one study"):
+    ablations.plan_jobs(["formats", "lora_rank"], 1, smoke=False, variants=["bf16"])
+
+
+def test_plan_trains_each_distinct_config_once_seeds_outermost():
+  jobs = ablations.plan_jobs(sorted(ablations.STUDIES), 2, smoke=False, preset="gpu")
+  # 20 (study, variant) names; the default stands for four of them and nvfp4-without-AQN and bf16 for two.
+  names = [n for job in jobs if job.seed == 0 for n in job.names]
+  assert sorted(names) == sorted((s.name, v) for s in ablations.STUDIES.values() for v in s.variants)
+  assert len(jobs) == 2 * 15 and [j.seed for j in jobs] == [0] * 15 + [1] * 15
+  shared = {frozenset(j.names) for j in jobs if len(j.names) > 1}
+  assert shared == {
+    frozenset({("formats", "nvfp4+aqn"), ("aqn_schedules", "exponential"), ("learning_rate", "nvfp4@1e-05"),
+               ("lora_rank", "r16")}),
+    frozenset({("formats", "nvfp4"), ("aqn_schedules", "off")}),
+    frozenset({("formats", "bf16"), ("learning_rate", "bf16@1e-05")})}
+  for job in jobs:  # names that share a run really have one config
+    configs = {ablations.variant_config(s, v, job.seed, smoke=False, preset="gpu").to_json() for s, v in job.names}
+    assert len(configs) == 1
+  gpu = ablations.variant_config("formats", "bf16", 0, smoke=False, preset="gpu")
+  cpu = ablations.variant_config("formats", "bf16", 0, smoke=False)
+  assert (gpu.train.batch_size, cpu.train.batch_size) == (64, 16)
+  assert gpu.train.steps == cpu.train.steps and gpu.aqn.to_json() == cpu.aqn.to_json()
+
+
+def test_shared_run_is_written_to_every_study_and_skipped_when_done(tmp_path):
+  job = ablations.Job((("formats", "nvfp4"), ("aqn_schedules", "off")), 1)
+  rows = [{"study": "formats", "variant": "nvfp4", "seed": 1, "step": t, "preset": "cpu", "smoke": True,
+           "reward/mean": float(t)} for t in (1, 2)]
+  outs = {s: str(tmp_path / f"{s}.jsonl") for s in ("formats", "aqn_schedules")}
+  ablations.write_run(rows, job, outs)
+  formats, aqn = _read(outs["formats"]), _read(outs["aqn_schedules"])
+  assert formats == rows
+  assert [(r["study"], r["variant"], r["same_run_as"], r["reward/mean"]) for r in aqn] == [
+    ("aqn_schedules", "off", "formats/nvfp4", 1.0), ("aqn_schedules", "off", "formats/nvfp4", 2.0)]
+  # Both names hold the 2 smoke steps: nothing is trained again (training would need a model and fail here).
+  trained = ablations.run_jobs([job], outs=outs, workdir_root=str(tmp_path / "runs"), smoke=True,
+                               skip_done=True, log=lambda *_: None)
+  assert trained == [] and not os.path.exists(tmp_path / "runs")
 
 
 @pytest.mark.parametrize("study", ["learning_rate", pytest.param("lora_rank", marks=pytest.mark.slow)])
@@ -192,8 +236,11 @@ def test_plot_writes_png_and_table_matching_numpy(tmp_path, capsys):
                             for s in range(3)]).mean(1)
   assert cells[5] == f"{entropy_first.mean():.3f} ± {entropy_first.std(ddof=1):.3f}"
   assert cells[7] == "n/a"
+  # The last column: each seed's mean reward over all its steps, mean ± std over seeds.
+  per_seed_all = reward_SxT.mean(1)
+  assert cells[8] == f"{per_seed_all.mean():.3f} ± {per_seed_all.std(ddof=1):.3f}"
   r16 = next(l for l in table.splitlines() if l.startswith("| r16 |"))
-  assert r16.rstrip().endswith("| 0.250 |")
+  assert [c.strip() for c in r16.strip("|").split("|")][7] == "0.250"
 
 
 def test_plot_reads_the_smoke_runs(smoke_ablations, tmp_path):
