@@ -212,7 +212,7 @@ def _bucket(direction, rows):
 
 
 def _ab_decoders(f, key, bf16_cache, bw, commit, device):
-  """Times the jnp and asm tile decoders on the same tiles; returns {(direction, small_rows): decoder}.
+  """Times every tile decoder (jnp, halves, asm) on the same tiles; returns {(direction, small_rows): decoder}.
 
   A decoder that fails the float32 check counts as infinitely slow, so a broken one is never chosen.
   """
@@ -223,7 +223,7 @@ def _ab_decoders(f, key, bf16_cache, bw, commit, device):
     for direction in ("fwd", "bwd"):
       for rows in (1, 2048):
         cfg = config_lib.get_config(direction, rows, k, n, device)
-        for dq in ("jnp", "asm"):
+        for dq in config_lib.DECODERS:
           group = (direction, rows <= 256)
           try:
             rec = bench_one(direction, k, n, rows, dataclasses.replace(cfg, dequant=dq), key, bf16_cache, bw)
@@ -239,7 +239,7 @@ def _ab_decoders(f, key, bf16_cache, bw, commit, device):
           print(f"ab {layer} {direction} rows={rows} {dq}: {rec['us']} us (bf16 {rec['bf16_us']})", flush=True)
           total[(group, dq)] = total.get((group, dq), 0.0) + rec["us"]
   groups = {g for g, _ in total}
-  return {g: min(("jnp", "asm"), key=lambda d: total.get((g, d), float("inf"))) for g in groups}
+  return {g: min(config_lib.DECODERS, key=lambda d: total.get((g, d), float("inf"))) for g in groups}
 
 
 def _summary(records):
@@ -261,7 +261,7 @@ def main(argv=None):
   p.add_argument("--tuning-out", default="", help="with --sweep: write the winners as tuning JSON here")
   p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU smoke test only)")
   p.add_argument("--ab", action="store_true",
-                 help="first time both tile decoders (jnp, asm) on 7B gate_up/down at 1 and 2048 rows; "
+                 help="first time every tile decoder (jnp, halves, asm) on 7B gate_up/down at 1 and 2048 rows; "
                       "then use the faster one (per direction, rows <= 256 or more) for the whole run")
   args = p.parse_args(argv)
   global _INTERPRET

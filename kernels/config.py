@@ -17,6 +17,7 @@ import os
 _TUNING_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 # Streaming multiprocessors to fill with programs when there are few rows (132 on the H100/H200 SXM).
 _DEFAULT_NUM_SMS = 132
+DECODERS = ("jnp", "halves", "asm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +29,10 @@ class Nvfp4MatmulConfig:
   split: programs along the contraction axis (split-K forward, split-N backward) whose float32 partial sums
   are added afterwards; more programs keep all SMs streaming weights when there are few rows.
   group_m: row tiles visited together so neighbouring programs share weight tiles in L2.
-  dequant: how tiles are decoded; interpret mode always uses "jnp".
+  dequant: how tiles are decoded: "jnp" (decode, then interleave the two nibbles of each byte into logical
+  order), "halves" (no interleave: the even and odd columns of x are split outside the kernel and each
+  nibble plane meets its half; needs block_k >= 32), or "asm" (inline PTX; experimental, never in
+  interpret mode).
   """
 
   block_m: int = 16
@@ -38,11 +42,11 @@ class Nvfp4MatmulConfig:
   group_m: int = 8
   num_warps: int = 4
   num_stages: int = 3
-  dequant: str = "jnp"  # "jnp" (portable, interpret-mode testable) or "asm" (inline PTX, experimental)
+  dequant: str = "jnp"  # "jnp" | "halves" (both portable, interpret-mode testable) | "asm" (experimental)
 
   def __post_init__(self):
-    if self.dequant not in ("jnp", "asm"):
-      raise ValueError(f"{self.dequant=} must be 'jnp' or 'asm'")
+    if self.dequant not in DECODERS:
+      raise ValueError(f"{self.dequant=} must be one of {DECODERS}")
     if self.dequant == "asm" and os.environ.get("QERL_KERNELS_EXPERIMENTAL_ASM") != "1":
       # Measured on an H200 at b65a594: it compiles but fails the float32 check (relative error ~1), so it
       # stays off unless someone debugging it asks for it (bench_kernels.py --ab sets the variable).
@@ -124,7 +128,10 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
   if direction == "fwd":
     while steps % split:  # split-K must cut K into whole block_k steps
       split -= 1
-  return dataclasses.replace(cfg, block_m=block_m, block_n=block_n, block_k=block_k, split=split)
+  # "halves" contracts block_k / 2 columns per dot, and Triton's dots need at least 16.
+  dequant = "jnp" if cfg.dequant == "halves" and block_k < 32 else cfg.dequant
+  return dataclasses.replace(cfg, block_m=block_m, block_n=block_n, block_k=block_k, split=split,
+                             dequant=dequant)
 
 
 def _device_file(device_kind: str) -> str:

@@ -18,7 +18,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels import nvfp4_tile
 from kernels.config import Nvfp4MatmulConfig
-from kernels.nvfp4_matmul_fwd import _tile_ids
+from kernels.nvfp4_matmul_fwd import _tile_ids, logical_order
 
 
 def nvfp4_matmul_bwd_kernel(dy_ref, packed_ref, scale_ref, gs_ref, o_ref, *, block_m: int, block_n: int,
@@ -27,7 +27,8 @@ def nvfp4_matmul_bwd_kernel(dy_ref, packed_ref, scale_ref, gs_ref, o_ref, *, blo
   """One [block_m, block_k] tile of dx over one split of N.
 
   dy_ref [M, N]; packed_ref uint8 [N, K/2]; scale_ref e4m3 [N, K/16]; gs_ref f32 [1];
-  o_ref [M, K] (dy dtype) when split == 1, else float32 partials [split, M, K].
+  o_ref [M, K] (dy dtype) when split == 1, else float32 partials [split, M, K]; with dequant == "halves" each
+  block_k run of dx's columns is written as its even columns, then its odd ones (``halves_order``).
   """
   m, n = dy_ref.shape
   k = 2 * packed_ref.shape[1]
@@ -40,7 +41,7 @@ def nvfp4_matmul_bwd_kernel(dy_ref, packed_ref, scale_ref, gs_ref, o_ref, *, blo
   k0 = pid_k * block_k
   n_start = pid_s * steps_per_split * block_n
 
-  def body(i, acc_KxM):
+  def loads(i):
     n0 = n_start + i * block_n
     col_mask = (n0 + jnp.arange(block_n)) < n
     dy_MxN = plgpu.load(dy_ref.at[pl.ds(pid_m * block_m, block_m), pl.ds(n0, block_n)],
@@ -50,14 +51,38 @@ def nvfp4_matmul_bwd_kernel(dy_ref, packed_ref, scale_ref, gs_ref, o_ref, *, blo
         mask=col_mask[:, None], other=0)
     s_NxKb = plgpu.load(scale_ref.at[pl.ds(n0, block_n), pl.ds(k0 // 16, block_k // 16)],
                         mask=col_mask[:, None], other=0.0)
+    return dy_MxN, p_NxKh, s_NxKb
+
+  contract = (((0,), (1,)), ((), ()))
+  multiplier = nvfp4_tile.output_multiplier(gs_ref[0], dequant)
+  mask = row_mask[:, None]
+  if dequant == "halves":  # two accumulators, dx's even and odd columns: no interleave in the kernel
+    def body_halves(i, accs):
+      dy_MxN, p_NxKh, s_NxKb = loads(i)
+      we_NxKh, wo_NxKh = nvfp4_tile.dequant_halves(p_NxKh, s_NxKb, dy_MxN.dtype)
+      return tuple(acc + jax.lax.dot_general(w, dy_MxN, contract, preferred_element_type=jnp.float32)
+                   for acc, w in zip(accs, (we_NxKh, wo_NxKh)))
+
+    zeros = jnp.zeros((block_k // 2, block_m), jnp.float32)
+    accs = jax.lax.fori_loop(0, steps_per_split, body_halves, (zeros, zeros))
+    rows = pl.ds(pid_m * block_m, block_m)
+    for half, acc_KhxM in enumerate(accs):
+      dx_MxKh = acc_KhxM.T * multiplier
+      cols = pl.ds(k0 + half * (block_k // 2), block_k // 2)
+      if split == 1:
+        plgpu.store(o_ref.at[rows, cols], dx_MxKh.astype(o_ref.dtype), mask=mask)
+      else:
+        plgpu.store(o_ref.at[pid_s, rows, cols], dx_MxKh, mask=mask)
+    return
+
+  def body(i, acc_KxM):
+    dy_MxN, p_NxKh, s_NxKb = loads(i)
     decode = nvfp4_tile.dequant_tile_asm if dequant == "asm" else nvfp4_tile.dequant_tile
     w_NxK = decode(p_NxKh, s_NxKb, dy_MxN.dtype)
-    return acc_KxM + jax.lax.dot_general(w_NxK, dy_MxN, (((0,), (1,)), ((), ())),
-                                         preferred_element_type=jnp.float32)
+    return acc_KxM + jax.lax.dot_general(w_NxK, dy_MxN, contract, preferred_element_type=jnp.float32)
 
   acc_KxM = jax.lax.fori_loop(0, steps_per_split, body, jnp.zeros((block_k, block_m), jnp.float32))
-  dx_MxK = acc_KxM.T * nvfp4_tile.output_multiplier(gs_ref[0], dequant)
-  mask = row_mask[:, None]
+  dx_MxK = acc_KxM.T * multiplier
   if split == 1:
     plgpu.store(o_ref.at[pl.ds(pid_m * block_m, block_m), pl.ds(k0, block_k)],
                 dx_MxK.astype(o_ref.dtype), mask=mask)
@@ -84,7 +109,7 @@ def nvfp4_matmul_bwd_pallas(dy_MxN: jax.Array, packed_NxKh: jax.Array, scale_NxK
   kernel = functools.partial(
       nvfp4_matmul_bwd_kernel, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
       steps_per_split=steps_per_split, group_m=cfg.group_m, split=split,
-      dequant="jnp" if interpret else cfg.dequant)
+      dequant="jnp" if interpret and cfg.dequant == "asm" else cfg.dequant)
   if split == 1:
     out_shape = jax.ShapeDtypeStruct((m, k), dy_MxN.dtype)
   else:
@@ -106,4 +131,6 @@ def nvfp4_matmul_bwd_pallas(dy_MxN: jax.Array, packed_NxKh: jax.Array, scale_NxK
   )(*operands)
   if split > 1:
     out = out.sum(axis=0).astype(dy_MxN.dtype)
+  if cfg.dequant == "halves":
+    out = logical_order(out, cfg.block_k)
   return out

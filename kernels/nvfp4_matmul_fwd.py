@@ -33,12 +33,25 @@ def _tile_ids(pid, num_m: int, num_n: int, group_m: int):
   return pid_m, pid_n
 
 
+def halves_order(a_MxK: jax.Array, block_k: int) -> jax.Array:
+  """Reorders each run of block_k columns to (its even columns, its odd columns), the "halves" layout."""
+  m, k = a_MxK.shape
+  return a_MxK.reshape(m, k // block_k, block_k // 2, 2).swapaxes(2, 3).reshape(m, k)
+
+
+def logical_order(a_MxK: jax.Array, block_k: int) -> jax.Array:
+  """The inverse of ``halves_order``."""
+  m, k = a_MxK.shape
+  return a_MxK.reshape(m, k // block_k, 2, block_k // 2).swapaxes(2, 3).reshape(m, k)
+
+
 def nvfp4_matmul_fwd_kernel(x_ref, packed_ref, scale_ref, gs_ref, o_ref, *, block_m: int, block_n: int,
                             block_k: int, k_per_split: int, group_m: int, split: int,
                             dequant: str = "jnp"):
   """One [block_m, block_n] output tile over one contraction split.
 
-  x_ref [M, K]; packed_ref uint8 [N, K/2]; scale_ref e4m3 [N, K/16]; gs_ref f32 [1];
+  x_ref [M, K] (with dequant == "halves", each block_k run of columns holds the run's even columns, then its
+  odd ones: see ``halves_order``); packed_ref uint8 [N, K/2]; scale_ref e4m3 [N, K/16]; gs_ref f32 [1];
   o_ref [M, N] (x dtype) when split == 1, else float32 partials [split, M, N].
   """
   m, _ = x_ref.shape
@@ -55,8 +68,6 @@ def nvfp4_matmul_fwd_kernel(x_ref, packed_ref, scale_ref, gs_ref, o_ref, *, bloc
 
   def body(i, acc_NxM):
     k0 = pl.multiple_of(k_start + i * block_k, block_k)
-    x_MxK = plgpu.load(x_ref.at[pl.ds(pid_m * block_m, block_m), pl.ds(k0, block_k)],
-                       mask=row_mask[:, None], other=0.0)
     p_NxKh = plgpu.load(
         packed_ref.at[pl.ds(pid_n * block_n, block_n), pl.ds(pl.multiple_of(k0 // 2, block_k // 2),
                                                               block_k // 2)],
@@ -64,10 +75,19 @@ def nvfp4_matmul_fwd_kernel(x_ref, packed_ref, scale_ref, gs_ref, o_ref, *, bloc
     s_NxKb = plgpu.load(
         scale_ref.at[pl.ds(pid_n * block_n, block_n), pl.ds(k0 // 16, block_k // 16)],
         mask=col_mask[:, None], other=0.0)
+    contract = (((1,), (1,)), ((), ()))
+    if dequant == "halves":  # the low nibbles meet x's even columns, the high ones its odd columns
+      rows = pl.ds(pid_m * block_m, block_m)
+      xe_MxKh, xo_MxKh = (plgpu.load(x_ref.at[rows, pl.ds(k0 + half * (block_k // 2), block_k // 2)],
+                                     mask=row_mask[:, None], other=0.0) for half in (0, 1))
+      we_NxKh, wo_NxKh = nvfp4_tile.dequant_halves(p_NxKh, s_NxKb, xe_MxKh.dtype)
+      return (acc_NxM + jax.lax.dot_general(we_NxKh, xe_MxKh, contract, preferred_element_type=jnp.float32)
+              + jax.lax.dot_general(wo_NxKh, xo_MxKh, contract, preferred_element_type=jnp.float32))
+    x_MxK = plgpu.load(x_ref.at[pl.ds(pid_m * block_m, block_m), pl.ds(k0, block_k)],
+                       mask=row_mask[:, None], other=0.0)
     decode = nvfp4_tile.dequant_tile_asm if dequant == "asm" else nvfp4_tile.dequant_tile
     w_NxK = decode(p_NxKh, s_NxKb, x_MxK.dtype)
-    return acc_NxM + jax.lax.dot_general(w_NxK, x_MxK, (((1,), (1,)), ((), ())),
-                                         preferred_element_type=jnp.float32)
+    return acc_NxM + jax.lax.dot_general(w_NxK, x_MxK, contract, preferred_element_type=jnp.float32)
 
   acc_NxM = jax.lax.fori_loop(0, k_per_split // block_k, body,
                               jnp.zeros((block_n, block_m), jnp.float32))
@@ -98,12 +118,14 @@ def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb
   kernel = functools.partial(
       nvfp4_matmul_fwd_kernel, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
       k_per_split=k // cfg.split, group_m=cfg.group_m, split=cfg.split,
-      dequant="jnp" if interpret else cfg.dequant)
+      dequant="jnp" if interpret and cfg.dequant == "asm" else cfg.dequant)
   if cfg.split == 1:
     out_shape = jax.ShapeDtypeStruct((m, n), x_MxK.dtype)
   else:
     out_shape = jax.ShapeDtypeStruct((cfg.split, m, n), jnp.float32)
-  operands = [x_MxK, packed_NxKh, scale_NxKb, global_scale.astype(jnp.float32).reshape(1)]
+  # "halves": a reordered copy of x (small next to the weight it multiplies).
+  x_in = halves_order(x_MxK, cfg.block_k) if cfg.dequant == "halves" else x_MxK
+  operands = [x_in, packed_NxKh, scale_NxKb, global_scale.astype(jnp.float32).reshape(1)]
   aliases = {}
   if poison:
     operands.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))

@@ -45,9 +45,28 @@ def dequant_tile(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype) -> jax.Ar
   return w.reshape(r, kt)
 
 
+def dequant_halves(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """Decodes one weight tile as its two nibble planes, without interleaving them.
+
+  Returns (even_RxKh, odd_RxKh): element i of the first is logical column 2i (the low nibble), of the second
+  column 2i+1 (the high nibble), each equal to E2M1[code] * scale / 64 like ``dequant_tile``. Multiplying
+  them by the even and odd columns of x and adding gives the same product with no join / reshape of the
+  decoded values (the interleave that ``dequant_tile`` asks Triton for).
+  """
+  r, kh = packed_RxKh.shape
+  lo, hi = nibbles_to_e4m3_bits(packed_RxKh)
+  scale = scale_RxKb.astype(dtype)
+
+  def plane(bits):  # one scale per 16 logical columns = per 8 packed bytes
+    codes = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(dtype)
+    return (codes.reshape(r, kh // 8, 8) * scale[:, :, None]).reshape(r, kh)
+
+  return plane(lo), plane(hi)
+
+
 def output_multiplier(global_scale: jax.Array, method: str = "jnp") -> jax.Array:
   """The float32 factor that turns an accumulator over ``dequant_tile`` products into the true product."""
-  divisor = CODE_DIVISOR if method == "jnp" else 1.0
+  divisor = 1.0 if method == "asm" else CODE_DIVISOR
   return jnp.float32(divisor) / global_scale.astype(jnp.float32)
 
 

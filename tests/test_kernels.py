@@ -64,6 +64,9 @@ FWD_CASES = [
   (20, 64, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=32, split=2)),  # ragged
   (3, 48, 40, jnp.float16, None),  # K = 3 blocks: block_k falls to 16
   (37, 128, 24, jnp.bfloat16, Nvfp4MatmulConfig(block_m=32, block_n=16, block_k=64, group_m=2)),
+  # The "halves" decoder (x's even / odd columns meet the two nibble planes): ragged, split, fp16.
+  (20, 64, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=32, split=2, dequant="halves")),
+  (37, 192, 24, jnp.float16, Nvfp4MatmulConfig(block_m=32, block_n=16, block_k=64, split=3, dequant="halves")),
 ]
 
 
@@ -72,7 +75,9 @@ def test_fwd_kernel_matches_oracle(request, m, k, n, dtype, cfg):
   rng = _rng(request)
   q = _random_q(rng, k, n)
   x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  wanted = cfg.dequant if cfg else "jnp"
   cfg = config_lib.fit(cfg, "fwd", m, k, n) if cfg else config_lib.heuristic_config("fwd", m, k, n)
+  assert cfg.dequant == wanted
   y = nvfp4_matmul_fwd_pallas(x, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=cfg,
                               interpret=True, poison=True)
   assert y.shape == (m, n) and y.dtype == dtype
@@ -84,6 +89,8 @@ BWD_CASES = [
   (20, 64, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=32, split=2)),  # ragged
   (5, 96, 56, jnp.float16, Nvfp4MatmulConfig(block_m=16, block_n=16, block_k=32, split=3)),
   (33, 32, 40, jnp.bfloat16, Nvfp4MatmulConfig(block_m=32, block_n=32, block_k=16, group_m=2)),
+  (20, 64, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=32, split=2, dequant="halves")),
+  (5, 192, 56, jnp.float16, Nvfp4MatmulConfig(block_m=16, block_n=16, block_k=64, split=3, dequant="halves")),
 ]
 
 
@@ -92,7 +99,9 @@ def test_bwd_kernel_matches_oracle(request, m, k, n, dtype, cfg):
   rng = _rng(request)
   q = _random_q(rng, k, n)
   dy = jnp.asarray(rng.standard_normal((m, n)), dtype)
+  wanted = cfg.dequant if cfg else "jnp"
   cfg = config_lib.fit(cfg, "bwd", m, k, n) if cfg else config_lib.heuristic_config("bwd", m, k, n)
+  assert cfg.dequant == wanted
   dx = nvfp4_matmul_bwd_pallas(dy, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=cfg,
                                interpret=True, poison=True)
   assert dx.shape == (m, k) and dx.dtype == dtype
@@ -276,3 +285,26 @@ def test_quantized_bf16_weight_fwd_and_grad_match_reference(request):
   assert rel < 0.15, rel  # NVFP4's own error on Gaussian weights is ~0.1 relative
   g = jax.grad(lambda x: jnp.sum(kernels.nvfp4_matmul(x, q, interpret=True).astype(jnp.float32)))(x)
   _assert_close(g.reshape(14, k), np.ones((14, n)), w_KxN.T, jnp.bfloat16)
+
+
+def test_halves_decoder_falls_back_where_a_half_tile_would_be_under_16_columns():
+  # K = 48: block_k can only be 16, so each half would contract 8 columns, below Triton's dot minimum.
+  cfg = config_lib.fit(Nvfp4MatmulConfig(block_k=64, dequant="halves"), "fwd", 4, 48, 32)
+  assert (cfg.block_k, cfg.dequant) == (16, "jnp")
+  assert config_lib.fit(Nvfp4MatmulConfig(block_k=64, dequant="halves"), "bwd", 4, 96, 32).dequant == "halves"
+  with pytest.raises(ValueError, match="dequant='nibbles' must be one of"):
+    Nvfp4MatmulConfig(dequant="nibbles")
+
+
+def test_halves_decoder_through_dispatch_and_grad(request):
+  rng = _rng(request)
+  k, n = 128, 40
+  q = _random_q(rng, k, n)
+  x = jnp.asarray(rng.standard_normal((3, 5, k)), jnp.bfloat16)
+  halves = Nvfp4MatmulConfig(block_m=16, block_n=16, block_k=64, dequant="halves")
+  y = kernels.nvfp4_matmul(x, q, interpret=True, fwd_config=halves, bwd_config=halves)
+  _assert_close(y.reshape(15, n), x.reshape(15, k), _dequant_np(q), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((3, 5, n)), jnp.bfloat16)
+  _, vjp = jax.vjp(lambda x: kernels.nvfp4_matmul(x, q, interpret=True, fwd_config=halves, bwd_config=halves), x)
+  (dx,) = vjp(dy)
+  _assert_close(dx.reshape(15, k), dy.reshape(15, n), _dequant_np(q).T, jnp.bfloat16)
