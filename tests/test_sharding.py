@@ -246,8 +246,57 @@ def _main():
                     "param_change": change}))
 
 
+def _main_loading():
+  """A checkpoint loaded with a mesh: every base array born split by the rules, values equal to a plain load."""
+  import tempfile
+
+  import jax
+  import jax.numpy as jnp
+  from qerl_jax import sharding
+  from qerl_jax.model import from_pretrained, split_params
+  from qerl_jax.model.testing import save_tiny_hf
+
+  assert jax.device_count() == 8, jax.devices()
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  seed = zlib.crc32(b"test_loading_with_a_mesh_writes_into_the_shards")
+  checked = {}
+  with tempfile.TemporaryDirectory() as d:
+    save_tiny_hf("qwen2", d, seed)
+    for quant in ("nvfp4", "bf16"):
+      kw = dict(quant=quant, lora_rank=4, dtype=jnp.float32, load_tokenizer=False)
+      plain, _ = from_pretrained(d, **kw)
+      split, _ = from_pretrained(d, mesh=mesh, **kw)
+      frozen0, frozen1 = split_params(plain)[2], split_params(split)[2]
+      want = sharding.shardings_for(frozen1, mesh, prefix="frozen")  # what the trainer's place() asks for
+      leaves0 = jax.tree_util.tree_leaves_with_path(frozen0)
+      leaves1 = jax.tree.leaves(frozen1)
+      assert len(leaves0) == len(leaves1) == len(jax.tree.leaves(want))
+      split_leaves = 0
+      for (path, a), b, sh in zip(leaves0, leaves1, jax.tree.leaves(want)):
+        name = sharding.path_str(path)
+        assert b.sharding.is_equivalent_to(sh, b.ndim), (name, b.sharding, sh)
+        np.testing.assert_array_equal(np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b)),
+                                      err_msg=name)
+        # Split leaves hold less than the whole array on each device.
+        if any(axis is not None for axis in sh.spec):
+          split_leaves += 1
+          assert all(shard.data.size < b.size for shard in b.addressable_shards), name
+      checked[quant] = split_leaves
+  print(json.dumps({"devices": jax.device_count(), "split_leaves": checked}))
+
+
 if __name__ == "__main__":
-  _main()
+  _main_loading() if sys.argv[1:] == ["loading"] else _main()
+
+
+def test_loading_with_a_mesh_writes_into_the_shards():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__), "loading"], env=env, capture_output=True,
+                        text=True, timeout=300, cwd=ROOT)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  # nvfp4: codes and scales of 7 projections, embed; bf16: 7 weights and embed (+ q/k/v biases over tensor).
+  assert result["devices"] == 8 and result["split_leaves"]["nvfp4"] >= 15 and result["split_leaves"]["bf16"] >= 8
 
 
 def test_distributed_args_from_the_environment():

@@ -100,10 +100,12 @@ def _stacked_abstract(abstract: Any, num_layers: int) -> Any:
   return jax.tree.map(lambda s: jax.ShapeDtypeStruct((num_layers,) + tuple(s.shape), s.dtype), abstract)
 
 
-def empty_base(config: ModelConfig, schemes: dict[str, str | None], *, dtype=None) -> dict[str, Any]:
+def empty_base(config: ModelConfig, schemes: dict[str, str | None], *, dtype=None, mesh=None) -> dict[str, Any]:
   """A zero-filled base in its final layout; `schemes` maps each projection to its scheme or None.
 
-  `dtype` is the dtype of unquantized weights and embeddings (default config.dtype).
+  `dtype` is the dtype of unquantized weights and embeddings (default config.dtype). With a `mesh`, every
+  array is born split by the partition rules (`qerl_jax.sharding`, paths under "frozen"), so no device
+  ever holds the whole base; `put_layer` / `put_group` then write into the shards in place.
   """
   dtype = jnp.dtype(dtype or config.dtype)
   num_layers = config.num_layers
@@ -127,14 +129,21 @@ def empty_base(config: ModelConfig, schemes: dict[str, str | None], *, dtype=Non
     abstract["lm_head"] = jax.ShapeDtypeStruct(vd, dtype)
   leaves, treedef = jax.tree.flatten(abstract)
   specs = tuple((tuple(s.shape), jnp.dtype(s.dtype).name) for s in leaves)
-  return jax.tree.unflatten(treedef, _zeros(specs))
+  if mesh is None:
+    return jax.tree.unflatten(treedef, _zeros(specs))
+  from qerl_jax import sharding  # pylint: disable=import-outside-toplevel
+  out = jax.tree.leaves(sharding.shardings_for(abstract, mesh, prefix="frozen"))
+  return jax.tree.unflatten(treedef, jax.jit(functools.partial(_zeros_impl, specs), out_shardings=out)())
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _zeros(specs: tuple[tuple[tuple[int, ...], str], ...]) -> list[jax.Array]:
-  # One cached program allocates the whole base: an eager jnp.zeros per array would compile once per
-  # shape, and a fresh lambda per call would recompile (and hold compiler memory) on every load.
+def _zeros_impl(specs: tuple[tuple[tuple[int, ...], str], ...]) -> list[jax.Array]:
   return [jnp.zeros(shape, dtype) for shape, dtype in specs]
+
+
+# One cached program allocates the whole base: an eager jnp.zeros per array would compile once per shape,
+# and a fresh lambda per call would recompile (and hold compiler memory) on every load. (A sharded base
+# compiles its own once per load.)
+_zeros = jax.jit(_zeros_impl, static_argnums=0)
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -32,7 +32,7 @@ _HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.ji
 def from_pretrained(path: str, quant: str = "nvfp4", lora_rank: int | None = 16, lora_alpha: float = 16,
                     lora_targets: Any = "all-linear", dtype: Any = jnp.bfloat16, train_norms: bool = False, *,
                     lora_dtype: Any = jnp.float32, use_rslora: bool = False, remat: bool = False, seed: int = 0,
-                    load_tokenizer: bool = True):
+                    load_tokenizer: bool = True, mesh: Any = None):
   """Loads a model and its tokenizer, quantizing the decoder linears while loading.
 
   path: a local HF directory (safetensors, single or sharded), a compressed-tensors NVFP4/MXFP4 directory
@@ -41,6 +41,9 @@ def from_pretrained(path: str, quant: str = "nvfp4", lora_rank: int | None = 16,
     keeps its own scheme; quant="bf16" dequantizes it instead.
   lora_rank / lora_alpha / lora_targets / lora_dtype / use_rslora: the adapter (rank None or 0: none).
   dtype: activations, embeddings and unquantized weights. train_norms: block RMSNorm scales trainable.
+  mesh: a `jax.sharding.Mesh`: the base is allocated split by `qerl_jax.sharding`'s rules and filled layer
+    by layer, so no device ever holds all of it (the adapters start on the default device; the trainer
+    places them).
   Returns (model, tokenizer); tokenizer is None when the directory has none or load_tokenizer=False.
   """
   base_lib.check_quant(quant)
@@ -61,7 +64,7 @@ def from_pretrained(path: str, quant: str = "nvfp4", lora_rank: int | None = 16,
     config = ModelConfig.from_hf(hf, dtype=dtype, remat=remat)
     ct_scheme = ct_scheme_of(hf)
     source = SafetensorsDir(local)
-  base = load_base(source, config, quant, ct_scheme=ct_scheme)
+  base = load_base(source, config, quant, ct_scheme=ct_scheme, mesh=mesh)
   lora = None
   if lora_rank:
     lora = LoraConfig(rank=lora_rank, alpha=lora_alpha, targets=lora_targets, dtype=lora_dtype,
@@ -155,13 +158,28 @@ def check_tensors(source, expected: dict[str, tuple[int, ...]]) -> None:
       source.check_supported(name)
 
 
-def load_base(source, config: ModelConfig, quant: str, *, ct_scheme: str | None = None) -> dict[str, Any]:
-  """Streams `source` (SafetensorsDir or GGUFSource) into a preallocated base pytree (see base.py)."""
+def load_base(source, config: ModelConfig, quant: str, *, ct_scheme: str | None = None,
+              mesh=None) -> dict[str, Any]:
+  """Streams `source` (SafetensorsDir or GGUFSource) into a preallocated base pytree (see base.py).
+
+  With a `mesh` the base is allocated split by the partition rules and each layer is written into its
+  shards, so the largest thing on one device is a device's share of the base plus one layer in flight.
+  """
   from qerl_jax import quant as quant_lib  # pylint: disable=import-outside-toplevel
   plan = plan_projections(source, config, quant, ct_scheme)
   check_tensors(source, expected_tensors(config, plan, ct_scheme))
   dtype = config.dtype
-  base = base_lib.empty_base(config, {name: scheme for name, (_, scheme) in plan.items()})
+  base = base_lib.empty_base(config, {name: scheme for name, (_, scheme) in plan.items()}, mesh=mesh)
+  if mesh is not None:
+    from qerl_jax import sharding  # pylint: disable=import-outside-toplevel
+    final = sharding.shardings_for(base, mesh, prefix="frozen")
+  else:
+    final = jax.tree.map(lambda _: None, base)
+
+  def to_device(host: np.ndarray, out_dtype, where):  # host array -> its shards (or the default device)
+    host = np.asarray(host).astype(out_dtype)
+    return jnp.asarray(host) if where is None else jax.device_put(host, where)
+
   layers = base["layers"]
   host_small: dict[str, np.ndarray] = {}  # norms and biases, [L, ...], sent to the device once at the end
   for layer in range(config.num_layers):
@@ -193,13 +211,13 @@ def load_base(source, config: ModelConfig, quant: str, *, ct_scheme: str | None 
         _host_put(host_small, f"{name}.b", layer, config.num_layers, bias)
   for key, value in host_small.items():
     if key.endswith(".b"):
-      layers[key[:-2]]["b"] = jnp.asarray(value, dtype)
+      layers[key[:-2]]["b"] = to_device(value, dtype, final["layers"][key[:-2]]["b"])
     else:
-      layers[key] = jnp.asarray(value, jnp.float32)
-  base["embed_tokens"] = jnp.asarray(source.get("model.embed_tokens.weight")).astype(dtype)
-  base["norm"] = jnp.asarray(source.get("model.norm.weight")).astype(jnp.float32)
-  if not config.tie_word_embeddings:
-    base["lm_head"] = jnp.asarray(source.get("lm_head.weight")).astype(dtype)
+      layers[key] = to_device(value, np.float32, final["layers"][key])
+  for key, out_dtype in (("embed_tokens", dtype), ("norm", np.float32)) + (
+      () if config.tie_word_embeddings else (("lm_head", dtype),)):
+    name = "lm_head.weight" if key == "lm_head" else f"model.{key}.weight"
+    base[key] = to_device(source.get(name), out_dtype, final[key])
   return jax.block_until_ready(base)
 
 

@@ -98,7 +98,7 @@ class Trainer:
           raise
         log(f"train.restart=True: moved the incompatible checkpoints to {checkpointer.move_aside()}")
         resume = None
-    model, tokenizer = setup.build_model(config)
+    model, tokenizer = setup.build_model(config, mesh=mesh_from_config(config))
     validate_model(config, model.config, tokenizer)
     check_memory(config, model.config)
     with open(os.path.join(workdir, "config.json"), "w") as f:

@@ -97,8 +97,11 @@ def _random_model(config, tokenizer):
                      rngs=nnx.Rngs(config.seed))
 
 
-def build_model(config):
-  """(model, tokenizer) from `config.model`: a pretrained checkpoint, or random weights of an architecture."""
+def build_model(config, mesh=None):
+  """(model, tokenizer) from `config.model`: a pretrained checkpoint, or random weights of an architecture.
+
+  With a `mesh`, a checkpoint's base is loaded straight into its shards (no device holds all of it).
+  """
   if config.model.random.model_type:
     if not config.model.tokenizer:
       raise ValueError("a random model (model.random.model_type set) needs model.tokenizer")
@@ -109,7 +112,7 @@ def build_model(config):
     resolve_path(config.model.path), quant=config.model.quant, lora_rank=config.model.lora_rank,
     lora_alpha=config.model.lora_alpha, lora_targets=config.model.lora_targets,
     dtype=jnp.dtype(config.model.dtype), train_norms=config.model.train_norms, remat=config.model.remat,
-    seed=config.seed, load_tokenizer=not config.model.tokenizer)
+    seed=config.seed, load_tokenizer=not config.model.tokenizer, mesh=mesh)
   if config.model.tokenizer:
     tokenizer = load_tokenizer(config.model.tokenizer)
   if tokenizer is None:
