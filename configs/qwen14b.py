@@ -14,4 +14,5 @@ from configs.qwen_bigmath import bigmath_config
 
 
 def get_config(arg=None):
-  return bigmath_config("Qwen/Qwen2.5-14B-Instruct", arg, micro_batch_size=4, rollout_batch_size=128)
+  # 32 rows x 8704 KV positions take 55 GB of KV cache: the memory planner puts the step at about 72 GB.
+  return bigmath_config("Qwen/Qwen2.5-14B-Instruct", arg, micro_batch_size=2, rollout_batch_size=32)

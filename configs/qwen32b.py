@@ -14,4 +14,6 @@ from configs.qwen_bigmath import bigmath_config
 
 
 def get_config(arg=None):
-  return bigmath_config("Qwen/Qwen2.5-32B-Instruct", arg, micro_batch_size=2, rollout_batch_size=64)
+  # Sized for 80 GB: 16 rows x 8704 KV positions (36.5 GB) beside 20.7 GB of NVFP4 weights; the memory
+  # planner puts the step at about 64 GB. On a 141 GB H200, --config.rollout.batch_size=32 (about 104 GB).
+  return bigmath_config("Qwen/Qwen2.5-32B-Instruct", arg, micro_batch_size=1, rollout_batch_size=16)

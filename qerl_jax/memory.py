@@ -12,8 +12,8 @@ the chunked log-prob buffers). The peak is the larger of the two.
 Exact parts: weights (shapes from `jax.eval_shape` of the base, split per device by the partition rules of
 `qerl_jax.sharding`), adapters, AdamW moments, KV cache, batch. Modelled parts: activations (the residual
 stream saved per layer under remat, plus one layer's forward + backward working set: the attention scores
-[b, H, S, S] in float32, the MLP's float32 gate/up and their gradients, ~12 hidden-sized buffers) and the
-log-prob slices. XLA's buffer assignment reuses and fuses, so those are an upper-bound style estimate;
+[b, H, block, S] in float32 (query blocks of attention.attend), the MLP's float32 gate/up and their
+gradients, ~12 hidden-sized buffers) and the log-prob slices. XLA's buffer assignment reuses and fuses, so those are an upper-bound style estimate;
 tests/test_memory.py measures the gap against `compiled.memory_analysis()`.
 """
 
@@ -100,6 +100,13 @@ def _tree_bytes(abstract: Any, prefix: str, sizes: Mapping[str, int]) -> int:
   return total
 
 
+def _query_block(t: int, query_chunk: int) -> int:
+  """Query rows per attention block for T queries (the near-equal blocks of attention.attend)."""
+  if query_chunk <= 0 or t <= query_chunk:
+    return t
+  return _ceil_div(t, _ceil_div(t, query_chunk))
+
+
 def _ceil_div(a: int, b: int) -> int:
   return -(-a // b)
 
@@ -157,9 +164,11 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
   heads = cfg.num_heads // tensor if cfg.num_heads % tensor == 0 else cfg.num_heads
   ffn = cfg.intermediate_size // tensor if cfg.intermediate_size % tensor == 0 else cfg.intermediate_size
   kv_cache = 2 * cfg.num_layers * r_rows * cache_len * kv_heads * cfg.head_dim * it
-  # Prefill of one layer: scores f32 + probs over the whole cache, float32 gate/up, ~8 hidden buffers;
+  # Prefill of one layer: scores f32 + probs, float32 gate/up, ~8 hidden buffers;
   # decode: float32 logits with a few sort/cumsum copies for top-p.
-  prefill = r_rows * prompt_len * (heads * cache_len * (4 + it) + 2 * ffn * 4 + 8 * cfg.hidden_size * it)
+  # The prefill's queries see the prompt's slots only, in query blocks (transformer.forward, attention.attend).
+  q_block = _query_block(prompt_len, cfg.attn_query_chunk)
+  prefill = r_rows * (q_block * heads * prompt_len * (4 + it) + prompt_len * (2 * ffn * 4 + 8 * cfg.hidden_size * it))
   decode = 4 * r_rows * cfg.vocab_size * 4
   rollout_work = max(prefill, decode) + 2 * r_rows * cache_len * 4  # + token / log-prob buffers
 
@@ -168,7 +177,7 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
   n_cols = update_len or max_new_tokens
   seq = prompt_len + n_cols
   d = cfg.hidden_size
-  attn_saved = b * heads * seq * seq * (4 + it)  # f32 scores (softmax grad) and probs
+  attn_saved = b * heads * _query_block(seq, cfg.attn_query_chunk) * seq * (4 + it)  # f32 scores and probs
   mlp_saved = b * seq * ffn * (2 * 4 + it)  # f32 gate, up; their product in the model dtype
   hidden_saved = b * seq * (8 * d + 2 * cfg.q_size + 2 * cfg.kv_size) * it  # norms, q/k/v, o, residuals
   lora_saved = b * seq * lora_rank * len(lora_targets) * lora_it

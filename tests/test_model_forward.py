@@ -184,3 +184,57 @@ def test_base_matmul_equals_dot_with_the_dequantized_weight(scheme):
   ref = np.asarray(x, np.float64) @ w_hat
   np.testing.assert_allclose(np.asarray(base_matmul(x, q)), ref, rtol=1e-4, atol=1e-5, err_msg=f"{seed=}")
   assert np.abs(w_hat - np.asarray(w, np.float64)).max() > 0  # it really is quantized
+
+
+def test_query_blocks_change_neither_logits_nor_gradients():
+  # 11 positions in blocks of at most 4 (near-equal: 4, 4, 3 plus one padded query row), left-padded rows.
+  seed = fresh_seed()
+  config = tiny_config(remat=True)
+  model = random_model(config, seed, train_norms=True)
+  blocked = Transformer(config.replace(attn_query_chunk=4), model.params(), lora=model.lora, train_norms=True)
+  rng = np.random.default_rng(seed)
+  tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 11)))
+  valid = np.ones((2, 11), bool)
+  valid[1, :5] = False
+  positions = jnp.asarray(np.maximum(np.cumsum(valid, axis=1) - 1, 0))
+
+  def loss(gd, t, f):
+    logp = jax.nn.log_softmax(nnx.merge(gd, t, f)(tokens, positions, valid_BxS=jnp.asarray(valid)))
+    return jnp.mean(logp[0, :, :5]) + jnp.mean(logp[1, 5:, :5]), logp
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=1, has_aux=True), static_argnums=0)
+  graphdef, trainable, frozen = split_params(model)
+  (l0, logp0), g0 = grad(graphdef, trainable, frozen)
+  (l1, logp1), g1 = grad(split_params(blocked)[0], trainable, frozen)  # same weights, blocked graph
+  np.testing.assert_allclose(np.asarray(logp1[0]), np.asarray(logp0[0]), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(logp1[1, 5:]), np.asarray(logp0[1, 5:]), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+    assert np.abs(np.asarray(a)).sum() > 0
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
+def test_prefill_at_a_static_cache_index_attends_only_to_visible_slots(model_and_seed):
+  # cache_index a Python int: the prefill's attention covers slots [0, P) instead of the whole cache; the
+  # result must equal the traced-index forward (which masks the later slots) on every real token.
+  model, seed = model_and_seed
+  config = model.config
+  rng = np.random.default_rng(seed + 7)
+  prompt_len, budget = 6, 10
+  prompt = rng.integers(0, config.vocab_size, (2, prompt_len)).astype(np.int32)
+  valid = np.zeros((2, prompt_len + budget), bool)
+  valid[0, :prompt_len] = True
+  valid[1, 2:prompt_len] = True  # row 1 left-padded by 2
+  positions = np.maximum(np.cumsum(valid[:, :prompt_len], axis=1) - 1, 0)
+  args = (jnp.asarray(prompt), jnp.asarray(positions))
+  cache = init_cache(config, 2, prompt_len + budget, jnp.float32)
+  static_logits, static_cache = model(*args, cache=cache, cache_index=0, valid_BxS=jnp.asarray(valid))
+  graphdef, state = nnx.split(model)
+  traced_logits, traced_cache = _step(graphdef, state, *args, cache, 0, jnp.asarray(valid))
+  np.testing.assert_allclose(np.asarray(static_logits[0]), np.asarray(traced_logits[0]), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(static_logits[1, 2:]), np.asarray(traced_logits[1, 2:]), rtol=1e-5,
+                             atol=1e-5)
+  for key in ("k", "v"):
+    np.testing.assert_allclose(np.asarray(static_cache[key][:, 0]), np.asarray(traced_cache[key][:, 0]),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(static_cache[key][:, :, prompt_len:]), 0.0)

@@ -23,7 +23,7 @@ from qerl_jax.train import step as step_lib
 from qerl_jax.train.checkpoint import Checkpointer, IncompatibleCheckpointError
 from qerl_jax.train.loop import Trainer
 
-CONFIGS = ("qwen3b", "qwen7b", "qwen14b", "qwen32b", "smollm2_135m")
+CONFIGS = ("qwen3b", "qwen7b", "qwen14b", "qwen32b", "qwen72b", "smollm2_135m")
 REQUIRED = (
   "reward/mean", "reward/std", "accuracy", "entropy", "response_length/mean", "clip_frac", "clip_frac_low",
   "clip_frac_high", "aqn/sigma", "aqn/rollout_kl", "grad_norm", "lr", "loss", "time/rollout_s",

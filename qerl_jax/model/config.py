@@ -54,6 +54,8 @@ class ModelConfig:
   dtype: Any = jnp.bfloat16
   remat: bool = False  # jax.checkpoint around each scanned layer (training memory)
   remat_policy: str = "nothing_saveable"  # a name in jax.checkpoint_policies
+  # Queries per attention block for long sequences (0: all at once); see attention.attend.
+  attn_query_chunk: int = 1024
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None

@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from qerl_jax.model import attention as attn
@@ -74,8 +75,11 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
     v_cache = jax.lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), start)
     k_all = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
     v_all = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
+    # The mask's slot count: all of the cache, or (static cache_index, e.g. a prefill) the slots these
+    # queries can see at all, so a prefill attends over the prompt, not the whole response budget.
+    k_all, v_all = k_all[:, :mask_BxTxS.shape[-1]], v_all[:, :mask_BxTxS.shape[-1]]
     kv = (k_cache, v_cache)
-  o = attn.attend(q, k_all, v_all, mask_BxTxS)
+  o = attn.attend(q, k_all, v_all, mask_BxTxS, config.attn_query_chunk)
   x_BxTxD = x_BxTxD + linear(o, p["o_proj"], lora_scale)
   h = attn.rms_norm(x_BxTxD, p["post_attention_layernorm"], eps, noise.get("post_attention_layernorm"))
   g = linear(h, p["gate_proj"], lora_scale).astype(jnp.float32)
@@ -118,10 +122,14 @@ def forward(params: dict[str, Any], config: ModelConfig, lora_scale: float, toke
     slots_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     num_slots = t
   else:
-    cache_index = jnp.asarray(0 if cache_index is None else cache_index, jnp.int32)
+    cache_index = 0 if cache_index is None else cache_index
     num_slots = cache["k"].shape[2]
     if cache["k"].shape[1] != b:
       raise ValueError(f"cache batch {cache['k'].shape[1]} != tokens batch {b}")
+    if isinstance(cache_index, (int, np.integer)):  # static: later slots are invisible to these queries
+      num_slots = min(num_slots, int(cache_index) + t)
+      valid_BxS = None if valid_BxS is None else valid_BxS[:, :num_slots]
+    cache_index = jnp.asarray(cache_index, jnp.int32)
     slots_BxT = jnp.broadcast_to(cache_index + jnp.arange(t, dtype=jnp.int32), (b, t))
   positions_BxT = slots_BxT if positions_BxT is None else positions_BxT
   mask_BxTxS = attn.attention_mask(slots_BxT, num_slots, valid_BxS)
