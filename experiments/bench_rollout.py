@@ -2,6 +2,7 @@
 
     python experiments/bench_rollout.py --models qwen2.5-7b --batches 1 8 64       # on the GPU
     python experiments/bench_rollout.py --smoke                                    # tiny, any machine
+    python experiments/bench_rollout.py --xla-flag-sets "|--xla_gpu_enable_command_buffer=..."   # A/B flags
 
 Each (model, quant, batch) runs in its own subprocess so that peak device memory is that run's alone.
 Prompt 256 tokens, `--new-tokens` (1024) sampled at temperature 1 with stop tokens ignored, LoRA rank 16
@@ -241,6 +242,10 @@ def main():
   p.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "rollout.jsonl"))
   p.add_argument("--variant", default="scan", choices=["scan", "unrolled"],
                  help="layer loop: lax.scan over stacked layers (default) or unrolled (experiment)")
+  p.add_argument("--xla-flag-sets", default="", metavar="SETS",
+                 help="'|'-separated sets of XLA flags, one run of everything per set, each added to XLA_FLAGS "
+                      "and recorded as xla_flags; e.g. '|--xla_gpu_enable_command_buffer=FUSION,CUBLAS,WHILE' "
+                      "runs the default, then the same with command buffers")
   p.add_argument("--smoke", action="store_true", help="tiny model, few tokens: checks the script runs")
   p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--model", help=argparse.SUPPRESS)
@@ -253,38 +258,44 @@ def main():
   if args.smoke:
     args.models, args.batches, args.new_tokens, args.prompt_len, args.reps = ["smoke"], [2], 8, 16, 1
     args.quants = [q for q in args.quants if q != "hf-bf16"]
-  env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"))
+  base_env = dict(os.environ,
+                  XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"))
   rows = []
-  for model in args.models:
-    for quant in args.quants:
-      cmd = [sys.executable, os.path.abspath(__file__), "--one", "--model", model, "--quant", quant,
-             "--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len), "--new-tokens",
-             str(args.new_tokens), "--reps", str(args.reps), "--variant", args.variant]
-      proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-      for line in proc.stdout:  # records arrive as each batch finishes, so a time-out keeps what ran
-        if not line.startswith("RECORD "):
-          continue
-        record = json.loads(line[len("RECORD "):])
-        record["commit"] = commit()
-        rows.append(record)
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "a") as f:
-          f.write(json.dumps(record) + "\n")
-        print(f"{args.variant:8s} {model:12s} {quant:8s} b{record['batch']:<3d} {record['tokens_per_s']:9.1f} tok/s "
-              f"{record['ms_per_step']:7.2f} ms/step peak {record['peak_gb']:6.1f} GB", flush=True)
-      if proc.wait():
-        print(f"FAILED {model} {quant}:\n{proc.stderr.read()[-3000:]}", flush=True)
-  print(f"\n{'model':12s} {'quant':8s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} {'floor':>7s} {'peak GB':>8s}")
+  flag_sets = [f.strip() for f in args.xla_flag_sets.split("|")]
+  runs = [(flags, model, quant) for flags in flag_sets for model in args.models for quant in args.quants]
+  for flags, model, quant in runs:
+    env = dict(base_env, XLA_FLAGS=" ".join(f for f in (base_env.get("XLA_FLAGS", ""), flags) if f))
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", "--model", model, "--quant", quant,
+           "--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len), "--new-tokens",
+           str(args.new_tokens), "--reps", str(args.reps), "--variant", args.variant]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # records arrive as each batch finishes, so a time-out keeps what ran
+      if not line.startswith("RECORD "):
+        continue
+      record = json.loads(line[len("RECORD "):])
+      record["commit"] = commit()
+      rows.append(record)
+      os.makedirs(os.path.dirname(args.out), exist_ok=True)
+      with open(args.out, "a") as f:
+        f.write(json.dumps(record) + "\n")
+      print(f"{args.variant:8s} {model:12s} {quant:8s} b{record['batch']:<3d} {record['tokens_per_s']:9.1f} tok/s "
+            f"{record['ms_per_step']:7.2f} ms/step peak {record['peak_gb']:6.1f} GB {flags}", flush=True)
+    if proc.wait():
+      print(f"FAILED {model} {quant} {flags}:\n{proc.stderr.read()[-3000:]}", flush=True)
+  print(f"\n{'model':12s} {'quant':8s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} {'floor':>7s} {'peak GB':>8s}"
+        " XLA_FLAGS")
   for r in rows:
     floor = r.get("floor_ms_per_step", float("nan"))
     print(f"{r['model']:12s} {r['quant']:8s} {r['batch']:5d} {r['tokens_per_s']:9.1f} {r['ms_per_step']:8.2f} "
-          f"{floor:7.2f} {r['peak_gb']:8.1f}")
-  for model in args.models:
-    for batch in args.batches:
-      by = {r["quant"]: r["tokens_per_s"] for r in rows if r["model"] == model and r["batch"] == batch}
-      if "bf16" in by and "nvfp4" in by:
-        print(f"{model} batch {batch}: nvfp4 / bf16 = {by['nvfp4'] / by['bf16']:.2f}x", end="")
-        print(f", nvfp4 / hf-bf16 = {by['nvfp4'] / by['hf-bf16']:.2f}x" if "hf-bf16" in by else "")
+          f"{floor:7.2f} {r['peak_gb']:8.1f} {r.get('xla_flags', '')}")
+  for flags in sorted({r.get("xla_flags", "") for r in rows}):
+    for model in args.models:
+      for batch in args.batches:
+        by = {r["quant"]: r["tokens_per_s"] for r in rows
+              if r["model"] == model and r["batch"] == batch and r.get("xla_flags", "") == flags}
+        if "bf16" in by and "nvfp4" in by:
+          print(f"{model} batch {batch} [{flags}]: nvfp4 / bf16 = {by['nvfp4'] / by['bf16']:.2f}x", end="")
+          print(f", nvfp4 / hf-bf16 = {by['nvfp4'] / by['hf-bf16']:.2f}x" if "hf-bf16" in by else "")
 
 
 if __name__ == "__main__":
