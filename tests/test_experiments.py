@@ -170,7 +170,7 @@ def test_shared_run_is_written_to_every_study_and_skipped_when_done(tmp_path):
   assert trained == [] and not os.path.exists(tmp_path / "runs")
 
 
-@pytest.mark.parametrize("study", ["learning_rate", pytest.param("lora_rank", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("study", ["learning_rate", "lora_rank"])  # CI runs every study in smoke mode
 def test_smoke_study_recompiling_variants(tmp_path, study):
   path = str(tmp_path / f"{study}.jsonl")
   ablations.main(["--study", study, "--smoke", "--out", path, "--workdir_root", str(tmp_path / "runs")])
