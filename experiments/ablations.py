@@ -261,7 +261,8 @@ def _run_in_subprocess(job: Job, *, workdir: str, smoke: bool, steps: int | None
   part = os.path.join(workdir, "lines.jsonl")
   cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--study", study, "--variants", variant,
          "--worker_seed", str(job.seed), "--preset", preset, "--out", part, "--workdir_root", workdir,
-         "--commit", commit] + (["--steps", str(steps)] if steps is not None else []) + (["--smoke"] if smoke else [])
+         "--commit", commit] + (["--steps", str(steps)] if steps is not None else [])
+  cmd += ["--smoke"] if smoke else []
   env = dict(os.environ)
   env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # N processes share one GPU
   with open(os.path.join(workdir, "log.txt"), "w") as log:
@@ -320,10 +321,14 @@ def run_jobs(jobs: Sequence[Job], *, outs: dict[str, str], workdir_root: str, sm
   if parallel == 1:
     for job in todo:
       one(job)
-  else:
+  else:  # a failed run does not stop the others; all failures are reported at the end
     with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
-      for future in [pool.submit(one, job) for job in todo]:
-        future.result()
+      futures = [pool.submit(one, job) for job in todo]
+    failures = [f"{'/'.join(job.names[0])} seed {job.seed}: {future.exception()}"
+                for job, future in zip(todo, futures) if future.exception() is not None]
+    if failures:
+      raise RuntimeError(f"{len(failures)} of {len(todo)} runs failed (the others' lines are written):\n"
+                         + "\n".join(failures))
   return written
 
 

@@ -13,8 +13,9 @@ Exact parts: weights (shapes from `jax.eval_shape` of the base, split per device
 `qerl_jax.sharding`), adapters, AdamW moments, KV cache, batch. Modelled parts: activations (the residual
 stream saved per layer under remat, plus one layer's forward + backward working set: the attention scores
 [b, H, block, S] in float32 (query blocks of attention.attend), the MLP's float32 gate/up and their
-gradients, ~12 hidden-sized buffers) and the log-prob slices. XLA's buffer assignment reuses and fuses, so those are an upper-bound style estimate;
-tests/test_memory.py measures the gap against `compiled.memory_analysis()`.
+gradients, ~12 hidden-sized buffers) and the log-prob slices. XLA's buffer assignment reuses and fuses, so
+those are an upper-bound style estimate; tests/test_memory.py measures the gap against
+`compiled.memory_analysis()`.
 """
 
 from __future__ import annotations
