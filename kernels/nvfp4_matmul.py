@@ -14,12 +14,14 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from kernels import config as config_lib
 from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
 from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
 from qerl_jax import quant
 from qerl_jax.quant.types import NVFP4_BLOCK, NVFP4Tensor
+from qerl_jax.sharding import BATCH
 
 IMPLEMENTATIONS = ("pallas", "triton", "xla")
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -104,13 +106,33 @@ def _pallas_matmul_2d_bwd(fwd_cfg, bwd_cfg, interpret, q, dy_MxN):
 _pallas_matmul_2d.defvjp(_pallas_matmul_2d_fwd, _pallas_matmul_2d_bwd)
 
 
+def _rows_over_mesh(fn, x_MxK: jax.Array, q: NVFP4Tensor) -> jax.Array:
+  """`fn(x, q)`, run per device on its rows when a mesh is set (`jax.set_mesh`) with batch axes > 1.
+
+  XLA cannot partition a Pallas kernel: inside a sharded program it would gather x and compute every row on
+  every device. Under shard_map each device runs the kernel on its own rows (the batch axes of
+  `qerl_jax.sharding`) with the whole weight, which XLA gathers from its FSDP shards as FSDP does; the
+  tensor axis, if any, computes the same rows on each of its devices.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return fn(x_MxK, q)
+  axes = tuple(a for a in BATCH if a in mesh.axis_names and mesh.shape[a] > 1)
+  shards = int(np.prod([mesh.shape[a] for a in axes]))
+  if not axes or x_MxK.shape[0] % shards:
+    return fn(x_MxK, q)
+  rows = P(axes, None)
+  return jax.shard_map(fn, in_specs=(rows, P()), out_specs=rows, check_vma=False)(x_MxK, q)
+
+
 @functools.partial(jax.jit, static_argnames=("implementation", "interpret", "fwd_config", "bwd_config"))
 def _nvfp4_matmul_jit(x, q, *, implementation, interpret, fwd_config, bwd_config):
   if implementation == "xla":
     return nvfp4_matmul_reference(x, q)
   k, n = q.shape
   lead = x.shape[:-1]
-  y_MxN = _pallas_matmul_2d(x.reshape(-1, k), q, fwd_config, bwd_config, interpret)
+  y_MxN = _rows_over_mesh(lambda x_MxK, q: _pallas_matmul_2d(x_MxK, q, fwd_config, bwd_config, interpret),
+                          x.reshape(-1, k), q)
   return y_MxN.reshape(*lead, n)
 
 

@@ -27,6 +27,7 @@ split and no full copy lands on one device.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -218,6 +219,13 @@ def local_bytes(shape: Sequence[int], dtype, spec: P, mesh_sizes: Mapping[str, i
     parts = math.prod(mesh_sizes.get(a, 1) for a in _axes(entry))
     n *= -(-int(dim) // parts)
   return n * np.dtype(dtype).itemsize
+
+
+def mesh_context(mesh: Mesh | None):
+  """`with mesh_context(mesh):` makes `mesh` the context mesh (`jax.set_mesh`) of the programs traced inside,
+  so code that cannot be partitioned automatically (the fused NVFP4 kernel) can map itself over the rows;
+  a no-op for None."""
+  return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def describe(mesh: Mesh) -> str:

@@ -285,8 +285,46 @@ def _main_loading():
   print(json.dumps({"devices": jax.device_count(), "split_leaves": checked}))
 
 
+def _main_kernel():
+  """Under a context mesh the fused kernel runs per device on its rows (shard_map); values and gradients match."""
+  import jax
+  import jax.numpy as jnp
+  import kernels
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from qerl_jax import quant, sharding
+
+  assert jax.device_count() == 8, jax.devices()
+  rng = np.random.default_rng(zlib.crc32(b"test_fused_kernel_maps_over_rows_under_a_mesh"))
+  q = quant.quantize(jnp.asarray(rng.standard_normal((64, 48)), jnp.float32), "nvfp4")
+  w_KxN = np.asarray(quant.dequantize(q, jnp.float32), np.float64)
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+
+  def loss(x, q):
+    return jnp.sum(jnp.sin(kernels.nvfp4_matmul(x, q, interpret=True).astype(jnp.float32)))
+
+  out = {}
+  for rows in (8, 6):  # 6 rows do not split over data x fsdp = 4: the kernel runs unmapped
+    shape = (4, 2, 64) if rows == 8 else (2, 3, 64)  # [B, T, K], rows = B * T
+    x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    x_f64 = np.asarray(x, np.float64).reshape(rows, 64)
+    y_ref = x_f64 @ w_KxN
+    g_ref = (np.cos(y_ref) @ w_KxN.T).reshape(x.shape)
+    with sharding.mesh_context(mesh):
+      xs = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp")) if rows == 8 else P()))
+      text = str(jax.make_jaxpr(lambda x: kernels.nvfp4_matmul(x, q, interpret=True))(xs))
+      y = jax.jit(lambda x: kernels.nvfp4_matmul(x, q, interpret=True))(xs)
+      g = jax.jit(jax.grad(loss))(xs, q)
+    scale = np.abs(y_ref).max()
+    np.testing.assert_allclose(np.asarray(y, np.float64).reshape(rows, -1), y_ref, atol=2e-2 * scale)
+    np.testing.assert_allclose(np.asarray(g, np.float64), g_ref, atol=2e-2 * np.abs(g_ref).max())
+    out[rows] = "shard_map" in text
+  plain = str(jax.make_jaxpr(lambda x: kernels.nvfp4_matmul(x, q, interpret=True))(jnp.zeros((8, 64), jnp.bfloat16)))
+  print(json.dumps({"devices": jax.device_count(), "mapped_8_rows": out[8], "mapped_6_rows": out[6],
+                    "mapped_without_mesh": "shard_map" in plain}))
+
+
 if __name__ == "__main__":
-  _main_loading() if sys.argv[1:] == ["loading"] else _main()
+  {"loading": _main_loading, "kernel": _main_kernel}.get((sys.argv[1:] or [""])[0], _main)()
 
 
 def test_loading_with_a_mesh_writes_into_the_shards():
@@ -297,6 +335,30 @@ def test_loading_with_a_mesh_writes_into_the_shards():
   result = json.loads(proc.stdout.strip().splitlines()[-1])
   # nvfp4: codes and scales of 7 projections, embed; bf16: 7 weights and embed (+ q/k/v biases over tensor).
   assert result["devices"] == 8 and result["split_leaves"]["nvfp4"] >= 15 and result["split_leaves"]["bf16"] >= 8
+
+
+def _run_on_8_devices(*args, timeout=300):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+  return proc
+
+
+def test_fused_kernel_maps_over_rows_under_a_mesh():
+  proc = _run_on_8_devices(os.path.abspath(__file__), "kernel")
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert result == {"devices": 8, "mapped_8_rows": True, "mapped_6_rows": False, "mapped_without_mesh": False}
+
+
+def test_trainer_runs_on_a_data_fsdp_tensor_mesh(tmp_path):
+  # The smoke config end to end on 2 x 2 x 2 CPU devices: base, adapters and AdamW state split by the rules,
+  # rollouts and updates over the mesh, a checkpoint, and the final evaluation.
+  _run_on_8_devices("-m", "qerl_jax.main", "--config=configs/smollm2_135m.py:smoke", "--config.mesh.data=2",
+                    "--config.mesh.fsdp=2", "--config.mesh.tensor=2", f"--workdir={tmp_path}")
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  assert all(np.isfinite(r["loss"]) and r["nonfinite/total"] == 0 for r in rows)
+  assert os.listdir(tmp_path / "checkpoints") and os.path.exists(tmp_path / "eval" / "step_3" / "report.json")
 
 
 def test_distributed_args_from_the_environment():

@@ -261,28 +261,30 @@ def train_and_evaluate(config, workdir: str) -> dict:
     last = {"step": done, **metrics}
     _check_nonfinite(metrics, c, done)
 
-  try:
-    for step in range(start, c.train.steps):
-      rollout = trainer.start_rollout(step)
-      flush()
-      host, device = trainer.finish_step(step, *rollout)
-      pending_metrics = (step + 1, host, device)
-      if (step + 1) % c.train.checkpoint_every == 0 or step + 1 == c.train.steps:
-        flush()  # never save before knowing the update was finite (a skipped one keeps the old params)
-        trainer.checkpointer.save(trainer.state, c)
-      if c.eval.every and (step + 1) % c.eval.every == 0 and step + 1 < c.train.steps:
+  # Traced under the trainer's mesh, so the fused NVFP4 kernel maps itself over each device's rows.
+  with sharding.mesh_context(trainer.mesh):
+    try:
+      for step in range(start, c.train.steps):
+        rollout = trainer.start_rollout(step)
         flush()
-        _eval(trainer, step + 1, logger)
-    flush()
-  except NonFiniteUpdatesError:
-    trainer.checkpointer.save(trainer.state, c)  # the kept (finite) params, so nothing is lost
-    raise
-  finally:
-    logger.close()
-    if os.path.exists(logger.path):
-      plot_curves(logger.path, os.path.join(workdir, CURVES_FILE))
-  if c.eval.at_end:
-    last["eval"] = _eval(trainer, int(trainer.state.step), None)
+        host, device = trainer.finish_step(step, *rollout)
+        pending_metrics = (step + 1, host, device)
+        if (step + 1) % c.train.checkpoint_every == 0 or step + 1 == c.train.steps:
+          flush()  # never save before knowing the update was finite (a skipped one keeps the old params)
+          trainer.checkpointer.save(trainer.state, c)
+        if c.eval.every and (step + 1) % c.eval.every == 0 and step + 1 < c.train.steps:
+          flush()
+          _eval(trainer, step + 1, logger)
+      flush()
+    except NonFiniteUpdatesError:
+      trainer.checkpointer.save(trainer.state, c)  # the kept (finite) params, so nothing is lost
+      raise
+    finally:
+      logger.close()
+      if os.path.exists(logger.path):
+        plot_curves(logger.path, os.path.join(workdir, CURVES_FILE))
+    if c.eval.at_end:
+      last["eval"] = _eval(trainer, int(trainer.state.step), None)
   trainer.checkpointer.close()
   return last
 
