@@ -177,8 +177,8 @@ def load_base(source, config: ModelConfig, quant: str, *, ct_scheme: str | None 
     final = jax.tree.map(lambda _: None, base)
 
   def to_device(host: np.ndarray, out_dtype, where):  # host array -> its shards (or the default device)
-    host = np.asarray(host).astype(out_dtype)
-    return jnp.asarray(host) if where is None else jax.device_put(host, where)
+    on_device = jnp.asarray(host) if where is None else jax.device_put(np.asarray(host), where)
+    return on_device.astype(out_dtype)  # converted on the device(s), in place of a slow host cast
 
   layers = base["layers"]
   host_small: dict[str, np.ndarray] = {}  # norms and biases, [L, ...], sent to the device once at the end
