@@ -13,7 +13,9 @@ LoRA rank 16 on all seven projections and trainable block norms. The step is run
 timed (the first compiles); `--steps 1` runs it once, for memory-only runs of the largest shapes, and then
 the times include compilation (the record says so: `includes_compile`). Before compiling, the memory
 planner's estimate is printed and recorded beside the measured peak (`device.memory_stats()`, maximum over
-the local devices). One JSON line per run is appended to experiments/results/grpo_step.jsonl.
+the local devices); `--memory-analysis` adds XLA's own byte counts of each phase's program (arguments,
+outputs, temporaries), to check the planner phase by phase. One JSON line per run is appended to
+experiments/results/grpo_step.jsonl.
 """
 
 from __future__ import annotations
@@ -49,6 +51,15 @@ def sharded_synthetic_base(config, quant: str, mesh, seed: int = 0):
                    out_shardings=sh)
     out.append(fill(key, spec.shape))
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _xla_bytes(jitted, *args, **kwargs) -> dict | None:
+  """`compiled.memory_analysis()` of one jitted phase (compiled again: the cache usually has it)."""
+  analysis = jitted.lower(*args, **kwargs).compile().memory_analysis()
+  if analysis is None:
+    return None
+  fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")
+  return {f: int(getattr(analysis, f)) for f in fields}
 
 
 def _peak_gb() -> float:
@@ -111,6 +122,8 @@ def run_one(args) -> dict:
     prompt, valid = jax.device_put((prompt, valid), sharding.batch_sharding(mesh, 2))
   sampling = SamplingParams(temperature=1.0)
 
+  last_batch = {}
+
   def step(seed, state):
     timings = {}
     t0 = time.perf_counter()
@@ -125,6 +138,7 @@ def run_one(args) -> dict:
              "old_logp_BxN": jnp.zeros_like(out.logprobs_BxN), "rollout_logp_BxN": out.logprobs_BxN}
     if mesh is not None:
       batch = sharding.place(batch, mesh, prefix="batch")
+    last_batch["batch"] = batch
     t0 = time.perf_counter()
     jax.block_until_ready(logprobs(state.params, frozen, batch))
     timings["logprob_s"] = time.perf_counter() - t0
@@ -140,6 +154,14 @@ def run_one(args) -> dict:
     first_s = time.perf_counter() - t0
     if args.steps == 2:
       state, timings, metrics = step(2, state)
+    xla_memory = None
+    if args.memory_analysis:  # XLA's own per-phase byte counts, to set beside the planner's phases
+      policy = nnx.merge_state(nnx.State(state.params), frozen)
+      xla_memory = {
+        "rollout": _xla_bytes(rollout, graphdef, policy, prompt, valid, jax.random.key(0), None,
+                              sampling=sampling, max_new_tokens=args.new_tokens, stop_ids=(), pad_id=0),
+        "logprob": _xla_bytes(logprobs, state.params, frozen, last_batch["batch"]),
+        "update": _xla_bytes(update, state, frozen, last_batch["batch"], jnp.asarray(True))}
   step_s = sum(timings.values())
   return dict(
     model=args.model, quant=args.quant, devices=jax.device_count(), mesh=mesh_shape, step_s=step_s,
@@ -147,7 +169,7 @@ def run_one(args) -> dict:
     plan_gb=plan.peak / 1e9,
     plan=plan.as_dict(), loss=float(metrics["loss"]), grad_norm=float(metrics["grad_norm"]), prompts=args.prompts,
     samples=args.samples, prompt_len=args.prompt_len, new_tokens=args.new_tokens, micro_batch=args.micro_batch,
-    lora_rank=args.lora_rank, tokens_per_s=rows * args.new_tokens / timings["rollout_s"],
+    lora_rank=args.lora_rank, tokens_per_s=rows * args.new_tokens / timings["rollout_s"], xla_memory=xla_memory,
     device=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit())
 
 
@@ -164,6 +186,8 @@ def main():
   p.add_argument("--logprob-chunk", type=int, default=256)
   p.add_argument("--vocab-chunk", type=int, default=16384)
   p.add_argument("--steps", type=int, default=2, choices=[1, 2], help="2: time the second step; 1: memory only")
+  p.add_argument("--memory-analysis", action="store_true",
+                 help="also record XLA's memory_analysis() of the rollout, log-prob and update programs")
   p.add_argument("--mesh", default="1,1,1", help="data,fsdp,tensor sizes (-1 = the rest)")
   p.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "grpo_step.jsonl"))
   p.add_argument("--smoke", action="store_true", help="tiny model and lengths: checks the script runs (CPU)")
@@ -185,6 +209,7 @@ def main():
       for flag in ("prompts", "samples", "prompt_len", "new_tokens", "micro_batch", "lora_rank", "logprob_chunk",
                    "vocab_chunk", "mesh", "steps"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+      cmd += ["--memory-analysis"] if args.memory_analysis else []
       proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
       records = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RECORD ")]
       if proc.returncode or not records:
