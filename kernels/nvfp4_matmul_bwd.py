@@ -109,28 +109,11 @@ def nvfp4_matmul_bwd_pallas(dy_MxN: jax.Array, packed_NxKh: jax.Array, scale_NxK
   kernel = functools.partial(
       nvfp4_matmul_bwd_kernel, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
       steps_per_split=steps_per_split, group_m=cfg.group_m, split=split,
-      dequant="jnp" if interpret and cfg.dequant == "asm" else cfg.dequant)
-  if split == 1:
-    out_shape = jax.ShapeDtypeStruct((m, k), dy_MxN.dtype)
-  else:
-    out_shape = jax.ShapeDtypeStruct((split, m, k), jnp.float32)
+      dequant=nvfp4_tile.decoder(cfg.dequant, interpret))
   operands = [dy_MxN, packed_NxKh, scale_NxKb, global_scale.astype(jnp.float32).reshape(1)]
-  aliases = {}
-  if poison:
-    operands.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
-    aliases = {4: 0}
-    kernel = functools.partial(nvfp4_tile.drop_poison_ref, kernel)
-  out = pl.pallas_call(
-      kernel,
-      out_shape=out_shape,
-      grid=(num_m * (k // cfg.block_k), split),
-      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-      input_output_aliases=aliases,
-      interpret=interpret,
-      name="nvfp4_matmul_bwd",
-  )(*operands)
-  if split > 1:
-    out = out.sum(axis=0).astype(dy_MxN.dtype)
+  out = nvfp4_tile.launch(kernel, operands, rows=m, cols=k, split=split, dtype=dy_MxN.dtype,
+                          grid=(num_m * (k // cfg.block_k), split), num_warps=cfg.num_warps,
+                          num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_matmul_bwd")
   if cfg.dequant == "halves":
     out = logical_order(out, cfg.block_k)
   return out

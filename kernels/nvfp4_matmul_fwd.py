@@ -118,28 +118,10 @@ def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb
   kernel = functools.partial(
       nvfp4_matmul_fwd_kernel, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
       k_per_split=k // cfg.split, group_m=cfg.group_m, split=cfg.split,
-      dequant="jnp" if interpret and cfg.dequant == "asm" else cfg.dequant)
-  if cfg.split == 1:
-    out_shape = jax.ShapeDtypeStruct((m, n), x_MxK.dtype)
-  else:
-    out_shape = jax.ShapeDtypeStruct((cfg.split, m, n), jnp.float32)
+      dequant=nvfp4_tile.decoder(cfg.dequant, interpret))
   # "halves": a reordered copy of x (small next to the weight it multiplies).
   x_in = halves_order(x_MxK, cfg.block_k) if cfg.dequant == "halves" else x_MxK
   operands = [x_in, packed_NxKh, scale_NxKb, global_scale.astype(jnp.float32).reshape(1)]
-  aliases = {}
-  if poison:
-    operands.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
-    aliases = {4: 0}
-    kernel = functools.partial(nvfp4_tile.drop_poison_ref, kernel)
-  out = pl.pallas_call(
-      kernel,
-      out_shape=out_shape,
-      grid=(num_m * num_n, cfg.split),
-      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-      input_output_aliases=aliases,
-      interpret=interpret,
-      name="nvfp4_matmul_fwd",
-  )(*operands)
-  if cfg.split > 1:
-    out = out.sum(axis=0).astype(x_MxK.dtype)
-  return out
+  return nvfp4_tile.launch(kernel, operands, rows=m, cols=n, split=cfg.split, dtype=x_MxK.dtype,
+                           grid=(num_m * num_n, cfg.split), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                           interpret=interpret, poison=poison, name="nvfp4_matmul_fwd")

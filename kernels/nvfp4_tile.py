@@ -13,6 +13,8 @@ within range), so the tile fed to the tensor cores is exactly code * scale / 64;
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -126,3 +128,36 @@ def drop_poison_ref(kernel, *refs):
   """Calls ``kernel`` without the NaN-filled input that is aliased to the output (it is never read)."""
   *ins, _poison_ref, out_ref = refs
   return kernel(*ins, out_ref)
+
+
+def decoder(dequant: str, interpret: bool) -> str:
+  """The tile decoder a launch uses: inline PTX cannot run in interpret mode, which decodes with jnp."""
+  return "jnp" if interpret and dequant == "asm" else dequant
+
+
+def launch(kernel, operands: list, *, rows: int, cols: int, split: int, dtype, grid: tuple[int, int],
+           num_warps: int, num_stages: int, interpret: bool, poison: bool, name: str) -> jax.Array:
+  """Runs ``kernel`` over ``grid``; returns its [rows, cols] output in ``dtype``.
+
+  split > 1: the kernel writes float32 partial sums [split, rows, cols], added here. poison: the output
+  starts NaN-filled (aliased in place), so a tile the kernel fails to write shows up.
+  """
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+  from jax.experimental.pallas import triton as plgpu  # pylint: disable=import-outside-toplevel
+
+  shape, out_dtype = ((rows, cols), dtype) if split == 1 else ((split, rows, cols), jnp.float32)
+  aliases = {}
+  if poison:
+    aliases = {len(operands): 0}
+    operands = [*operands, jnp.full(shape, jnp.nan, out_dtype)]
+    kernel = functools.partial(drop_poison_ref, kernel)
+  out = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct(shape, out_dtype),
+      grid=grid,
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      input_output_aliases=aliases,
+      interpret=interpret,
+      name=name,
+  )(*operands)
+  return out if split == 1 else out.sum(axis=0).astype(dtype)
