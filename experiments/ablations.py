@@ -32,6 +32,7 @@ show them, and RESULTS.md says so where it does not):
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -242,15 +243,17 @@ def _workdir(root: str, job: Job, multi: bool) -> str:
   return os.path.join(root, (f"{study}." if multi else "") + f"{variant}_seed{job.seed}")
 
 
-def _is_done(out: str, study: str, variant: str, seed: int, preset: str, smoke: bool, steps: int) -> bool:
-  """Whether `out` already holds a full run of (study, variant, seed) in this preset and mode."""
-  if not os.path.exists(out):
-    return False
-  with open(out) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
-  mine = [r for r in rows if (r.get("study"), r.get("variant"), r.get("seed")) == (study, variant, seed)
-          and r.get("preset", "cpu") == preset and bool(r.get("smoke")) == smoke]
-  return len(mine) >= steps
+def _steps_written(outs: dict[str, str], preset: str, smoke: bool) -> collections.Counter:
+  """{(study, variant, seed): step lines} already in the output files, for this preset and mode."""
+  counts: collections.Counter = collections.Counter()
+  for out in set(outs.values()):
+    if os.path.exists(out):
+      with open(out) as f:
+        for line in f:
+          r = json.loads(line) if line.strip() else {}
+          if r and r.get("preset", "cpu") == preset and bool(r.get("smoke")) == smoke:
+            counts[(r.get("study"), r.get("variant"), r.get("seed"))] += 1
+  return counts
 
 
 def _run_in_subprocess(job: Job, *, workdir: str, smoke: bool, steps: int | None, preset: str,
@@ -290,8 +293,9 @@ def run_jobs(jobs: Sequence[Job], *, outs: dict[str, str], workdir_root: str, sm
   multi = len({s for job in jobs for s, _ in job.names}) > 1
   start = time.monotonic()
   run_steps = steps or (SMOKE_STEPS if smoke else smollm2_135m.get_config().train.steps)
+  written_steps = _steps_written(outs, preset, smoke) if skip_done else collections.Counter()
   todo = [job for job in jobs if not (skip_done and all(
-    _is_done(outs[s], s, v, job.seed, preset, smoke, run_steps) for s, v in job.names))]
+    written_steps[(s, v, job.seed)] >= run_steps for s, v in job.names))]
   if len(todo) < len(jobs):
     log(f"skipping {len(jobs) - len(todo)} runs already in the output files")
   lock = threading.Lock()

@@ -54,7 +54,7 @@ def sharded_synthetic_base(config, quant: str, mesh, seed: int = 0):
 
 
 def _xla_bytes(jitted, *args, **kwargs) -> dict | None:
-  """`compiled.memory_analysis()` of one jitted phase (compiled again: the cache usually has it)."""
+  """`compiled.memory_analysis()` of one jitted phase (lowered and compiled again for the analysis)."""
   analysis = jitted.lower(*args, **kwargs).compile().memory_analysis()
   if analysis is None:
     return None

@@ -109,8 +109,9 @@ _pallas_matmul_2d.defvjp(_pallas_matmul_2d_fwd, _pallas_matmul_2d_bwd)
 def _rows_over_mesh(fn, x_MxK: jax.Array, q: NVFP4Tensor) -> jax.Array:
   """`fn(x, q)`, run per device on its rows when a mesh is set (`jax.set_mesh`) with batch axes > 1.
 
-  XLA cannot partition a Pallas kernel: inside a sharded program it would gather x and compute every row on
-  every device. Under shard_map each device runs the kernel on its own rows (the batch axes of
+  XLA has no partitioning rule for a Pallas call, so inside a sharded program it replicates the operands
+  around it (x gathered, every row computed on every device). Under shard_map each device runs the kernel
+  on its own rows (the batch axes of
   `qerl_jax.sharding`) with the whole weight, which XLA gathers from its FSDP shards as FSDP does; the
   tensor axis, if any, computes the same rows on each of its devices.
   """

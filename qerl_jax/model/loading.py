@@ -170,14 +170,19 @@ def load_base(source, config: ModelConfig, quant: str, *, ct_scheme: str | None 
   check_tensors(source, expected_tensors(config, plan, ct_scheme))
   dtype = config.dtype
   base = base_lib.empty_base(config, {name: scheme for name, (_, scheme) in plan.items()}, mesh=mesh)
+  final = None
   if mesh is not None:
     from qerl_jax import sharding  # pylint: disable=import-outside-toplevel
     final = sharding.shardings_for(base, mesh, prefix="frozen")
-  else:
-    final = jax.tree.map(lambda _: None, base)
 
-  def to_device(host: np.ndarray, out_dtype, where):  # host array -> its shards (or the default device)
-    on_device = jnp.asarray(host) if where is None else jax.device_put(np.asarray(host), where)
+  def to_device(host: np.ndarray, out_dtype, *path):  # host array -> its shards (or the default device)
+    if final is None:
+      on_device = jnp.asarray(host)
+    else:
+      where = final
+      for key in path:
+        where = where[key]
+      on_device = jax.device_put(np.asarray(host), where)
     return on_device.astype(out_dtype)  # converted on the device(s), in place of a slow host cast
 
   layers = base["layers"]
@@ -211,13 +216,13 @@ def load_base(source, config: ModelConfig, quant: str, *, ct_scheme: str | None 
         _host_put(host_small, f"{name}.b", layer, config.num_layers, bias)
   for key, value in host_small.items():
     if key.endswith(".b"):
-      layers[key[:-2]]["b"] = to_device(value, dtype, final["layers"][key[:-2]]["b"])
+      layers[key[:-2]]["b"] = to_device(value, dtype, "layers", key[:-2], "b")
     else:
-      layers[key] = to_device(value, np.float32, final["layers"][key])
+      layers[key] = to_device(value, np.float32, "layers", key)
   for key, out_dtype in (("embed_tokens", dtype), ("norm", np.float32)) + (
       () if config.tie_word_embeddings else (("lm_head", dtype),)):
     name = "lm_head.weight" if key == "lm_head" else f"model.{key}.weight"
-    base[key] = to_device(source.get(name), out_dtype, final[key])
+    base[key] = to_device(source.get(name), out_dtype, key)
   return jax.block_until_ready(base)
 
 

@@ -45,7 +45,8 @@ class NonFiniteUpdatesError(FloatingPointError):
 class Trainer:
   """Everything a run holds between steps. Built by `Trainer.create`; `train_and_evaluate` drives it."""
 
-  def __init__(self, config, workdir: str, model, tokenizer, checkpointer: Checkpointer, resume_step):
+  def __init__(self, config, workdir: str, model, tokenizer, checkpointer: Checkpointer, resume_step,
+               mesh=None):
     # `model` itself is not kept: its variables are the buffers of the first state, which the update donates.
     self.config, self.workdir = config, workdir
     self.model_config, self.tokenizer = model.config, tokenizer
@@ -68,7 +69,7 @@ class Trainer:
     if resume_step is not None:
       self.state = checkpointer.restore(resume_step, self.state)
       self.sampler.restore(sampler_state(self.state.data))
-    self.mesh = mesh_from_config(c)
+    self.mesh = mesh  # `mesh_from_config(config)`, built once by `create` (the base was loaded into it)
     if self.mesh is not None:  # split base, state and (per step) batches over the devices by the rules
       self.frozen = sharding.place(self.frozen, self.mesh, prefix="frozen")
       self.state = sharding.place(device_part(self.state), self.mesh).replace(data=self.state.data)
@@ -98,12 +99,13 @@ class Trainer:
           raise
         log(f"train.restart=True: moved the incompatible checkpoints to {checkpointer.move_aside()}")
         resume = None
-    model, tokenizer = setup.build_model(config, mesh=mesh_from_config(config))
+    mesh = mesh_from_config(config)
+    model, tokenizer = setup.build_model(config, mesh=mesh)
     validate_model(config, model.config, tokenizer)
     check_memory(config, model.config)
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
-    trainer = cls(config, workdir, model, tokenizer, checkpointer, resume)
+    trainer = cls(config, workdir, model, tokenizer, checkpointer, resume, mesh)
     if resume is not None:
       log(f"resuming from step {resume}")
       logging.info("resuming from step %d", resume)
