@@ -74,6 +74,12 @@ CANDIDATES = {
 }
 
 
+# Few-row (gemv engine) candidates for --gemv: (block_n, block_k, num_warps, num_stages).
+GEMV_CANDIDATES = [_C(block_n=bn, block_k=bk, num_warps=w, num_stages=st, engine="gemv")
+                   for bn, bk, w, st in [(32, 256, 4, 3), (64, 256, 4, 3), (32, 512, 4, 3), (64, 128, 4, 3),
+                                         (16, 512, 4, 3), (64, 256, 8, 3), (128, 128, 8, 2)]]
+
+
 def _commit() -> str:
   if os.environ.get("QERL_COMMIT"):
     return os.environ["QERL_COMMIT"]
@@ -243,10 +249,12 @@ def _ab_decoders(f, key, bf16_cache, bw, commit, device):
 
 
 def _summary(records):
-  lines = [f"{'shape':<18}{'dir':<5}{'rows':>6}{'us':>10}{'bf16_us':>10}{'x bf16':>8}{'roof':>7}"]
+  lines = [f"{'shape':<18}{'dir':<5}{'rows':>6}{'us':>10}{'bf16_us':>10}{'x bf16':>8}{'roof':>7}  engine"]
   for r in records:
+    c = r["config"]
     lines.append(f"{r['shape']:<18}{r['direction']:<5}{r['rows']:>6}{r['us']:>10.1f}{r['bf16_us']:>10.1f}"
-                 f"{r['speedup']:>8.2f}{r['roofline_frac']:>7.2f}")
+                 f"{r['speedup']:>8.2f}{r['roofline_frac']:>7.2f}  {c.get('engine', 'tensorcore')} "
+                 f"n{c['block_n']} k{c['block_k']} s{c['split']} w{c['num_warps']}")
   return "\n".join(lines)
 
 
@@ -260,6 +268,8 @@ def main(argv=None):
   p.add_argument("--out", default="experiments/results/kernels.jsonl")
   p.add_argument("--tuning-out", default="", help="with --sweep: write the winners as tuning JSON here")
   p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU smoke test only)")
+  p.add_argument("--gemv", action="store_true",
+                 help="at forward rows <= 16 also time every gemv-engine candidate; the fastest is reported")
   p.add_argument("--ab", action="store_true",
                  help="first time every tile decoder (jnp, halves, asm) on 7B gate_up/down at 1 and 2048 rows; "
                       "then use the faster one (per direction, rows <= 256 or more) for the whole run")
@@ -291,6 +301,8 @@ def main(argv=None):
               cfg = config_lib.get_config(direction, rows, k, n, device)
               dq = choice.get((direction, rows <= 256), cfg.dequant)
               cands = [dataclasses.replace(cfg, dequant=dq)]
+              if args.gemv and direction == "fwd" and rows <= config_lib.GEMV_MAX_ROWS:
+                cands += GEMV_CANDIDATES
             best = None
             for cfg in cands:
               try:
@@ -300,7 +312,8 @@ def main(argv=None):
                       f"{str(e)[:400]}", flush=True)
                 continue
               rec.update(shape=f"qwen2.5-{model}.{layer}", implementation="pallas", commit=commit,
-                         device=device, copy_tbps=round(bw / 1e12, 3), sweep=bool(args.sweep))
+                         device=device, copy_tbps=round(bw / 1e12, 3),
+                         sweep="gemv" if args.gemv else bool(args.sweep))
               f.write(json.dumps(rec) + "\n")
               f.flush()
               print(json.dumps(rec), flush=True)

@@ -18,6 +18,9 @@ _TUNING_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 # Streaming multiprocessors to fill with programs when there are few rows (132 on the H100/H200 SXM).
 _DEFAULT_NUM_SMS = 132
 DECODERS = ("jnp", "halves", "asm")
+ENGINES = ("tensorcore", "gemv")
+# The gemv engine unrolls its rows (one accumulator each); past this many the tensor-core kernel runs.
+GEMV_MAX_ROWS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +36,9 @@ class Nvfp4MatmulConfig:
   order), "halves" (no interleave: the even and odd columns of x are split outside the kernel and each
   nibble plane meets its half; needs block_k >= 32), or "asm" (inline PTX; experimental, never in
   interpret mode).
+  engine: "tensorcore" (the tile kernels above) or "gemv" (forward only, at most GEMV_MAX_ROWS rows: each
+  decoded weight meets its x element in a float32 multiply-add on the CUDA cores; block_m and dequant are
+  unused there). ``fit`` turns a gemv config into a tensor-core one where gemv does not apply.
   """
 
   block_m: int = 16
@@ -43,8 +49,11 @@ class Nvfp4MatmulConfig:
   num_warps: int = 4
   num_stages: int = 3
   dequant: str = "jnp"  # "jnp" | "halves" (both portable, interpret-mode testable) | "asm" (experimental)
+  engine: str = "tensorcore"  # "tensorcore" | "gemv"
 
   def __post_init__(self):
+    if self.engine not in ENGINES:
+      raise ValueError(f"{self.engine=} must be one of {ENGINES}")
     if self.dequant not in DECODERS:
       raise ValueError(f"{self.dequant=} must be one of {DECODERS}")
     if self.dequant == "asm" and os.environ.get("QERL_KERNELS_EXPERIMENTAL_ASM") != "1":
@@ -109,10 +118,13 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
   """
   if k % 16:
     raise ValueError(f"{k=} must be a multiple of 16 (the NVFP4 block)")
+  engine = cfg.engine
+  if engine == "gemv" and (direction != "fwd" or m > GEMV_MAX_ROWS):
+    engine = "tensorcore"
   block_k = _largest_pow2_divisor_block(k, cfg.block_k)
   block_m = max(16, min(cfg.block_m, _pow2_at_most(2 * m - 1) if m > 1 else 16))
   block_n = max(16, min(cfg.block_n, _pow2_at_most(2 * n - 1) if n > 1 else 16))
-  num_m = -(-m // block_m)
+  num_m = 1 if engine == "gemv" else -(-m // block_m)  # gemv: every row in each program
   if direction == "fwd":
     tiles = num_m * -(-n // block_n)
     steps = k // block_k  # contraction steps
@@ -131,7 +143,7 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
   # "halves" contracts block_k / 2 columns per dot, and Triton's dots need at least 16.
   dequant = "jnp" if cfg.dequant == "halves" and block_k < 32 else cfg.dequant
   return dataclasses.replace(cfg, block_m=block_m, block_n=block_n, block_k=block_k, split=split,
-                             dequant=dequant)
+                             dequant=dequant, engine=engine)
 
 
 def _device_file(device_kind: str) -> str:

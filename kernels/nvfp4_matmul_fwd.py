@@ -20,6 +20,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels import nvfp4_tile
 from kernels.config import Nvfp4MatmulConfig
+from kernels.nvfp4_gemv import nvfp4_gemv_pallas
 
 
 def _tile_ids(pid, num_m: int, num_n: int, group_m: int):
@@ -104,10 +105,14 @@ def nvfp4_matmul_fwd_kernel(x_ref, packed_ref, scale_ref, gs_ref, o_ref, *, bloc
 def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array,
                             global_scale: jax.Array, *, config: Nvfp4MatmulConfig,
                             interpret: bool = False, poison: bool = False) -> jax.Array:
-  """Builds the grid and launches the forward kernel; returns y [M, N] in x's dtype.
+  """Builds the grid and launches the forward kernel (or, for config.engine == "gemv", the few-row kernel of
+  ``nvfp4_gemv``); returns y [M, N] in x's dtype.
 
   poison: start from a NaN-filled output (aliased in place), so a tile the kernel fails to write shows up.
   """
+  if config.engine == "gemv":
+    return nvfp4_gemv_pallas(x_MxK, packed_NxKh, scale_NxKb, global_scale, config=config, interpret=interpret,
+                             poison=poison)
   m, k = x_MxK.shape
   n = packed_NxKh.shape[0]
   cfg = config

@@ -67,6 +67,10 @@ FWD_CASES = [
   # The "halves" decoder (x's even / odd columns meet the two nibble planes): ragged, split, fp16.
   (20, 64, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=32, split=2, dequant="halves")),
   (37, 192, 24, jnp.float16, Nvfp4MatmulConfig(block_m=32, block_n=16, block_k=64, split=3, dequant="halves")),
+  # The few-row gemv engine: one row at the smallest K, ragged N with a 3-way split, the most rows it takes.
+  (1, 16, 16, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=16, engine="gemv")),
+  (5, 192, 56, jnp.float16, Nvfp4MatmulConfig(block_n=32, block_k=64, split=3, engine="gemv")),
+  (16, 256, 40, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=2, engine="gemv")),
 ]
 
 
@@ -75,9 +79,9 @@ def test_fwd_kernel_matches_oracle(request, m, k, n, dtype, cfg):
   rng = _rng(request)
   q = _random_q(rng, k, n)
   x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-  wanted = cfg.dequant if cfg else "jnp"
+  wanted = (cfg.dequant, cfg.engine) if cfg else ("jnp", "tensorcore")
   cfg = config_lib.fit(cfg, "fwd", m, k, n) if cfg else config_lib.heuristic_config("fwd", m, k, n)
-  assert cfg.dequant == wanted
+  assert (cfg.dequant, cfg.engine) == wanted
   y = nvfp4_matmul_fwd_pallas(x, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=cfg,
                               interpret=True, poison=True)
   assert y.shape == (m, n) and y.dtype == dtype
@@ -308,3 +312,27 @@ def test_halves_decoder_through_dispatch_and_grad(request):
   _, vjp = jax.vjp(lambda x: kernels.nvfp4_matmul(x, q, interpret=True, fwd_config=halves, bwd_config=halves), x)
   (dx,) = vjp(dy)
   _assert_close(dx.reshape(15, k), dy.reshape(15, n), _dequant_np(q).T, jnp.bfloat16)
+
+
+def test_gemv_engine_applies_to_few_row_forwards_only():
+  gemv = Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv")
+  assert config_lib.fit(gemv, "fwd", config_lib.GEMV_MAX_ROWS, 128, 64).engine == "gemv"
+  assert config_lib.fit(gemv, "fwd", config_lib.GEMV_MAX_ROWS + 1, 128, 64).engine == "tensorcore"
+  assert config_lib.fit(gemv, "bwd", 1, 128, 64).engine == "tensorcore"
+  with pytest.raises(ValueError, match="engine='simt' must be one of"):
+    Nvfp4MatmulConfig(engine="simt")
+
+
+def test_gemv_engine_through_dispatch_and_grad(request):
+  # Decode-sized batches ([2, 3] rows) take the gemv forward; the gradient still runs the tile kernel.
+  rng = _rng(request)
+  k, n = 96, 72
+  q = _random_q(rng, k, n)
+  x = jnp.asarray(rng.standard_normal((2, 3, k)), jnp.bfloat16)
+  gemv = Nvfp4MatmulConfig(block_n=32, block_k=32, engine="gemv")
+  f = lambda x: kernels.nvfp4_matmul(x, q, interpret=True, fwd_config=gemv)
+  y, vjp = jax.vjp(f, x)
+  _assert_close(y.reshape(6, n), x.reshape(6, k), _dequant_np(q), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((2, 3, n)), jnp.bfloat16)
+  (dx,) = vjp(dy)
+  _assert_close(dx.reshape(6, k), dy.reshape(6, n), _dequant_np(q).T, jnp.bfloat16)

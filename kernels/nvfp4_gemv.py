@@ -1,0 +1,98 @@
+"""Few-row NVFP4 matmul (decode): y[M, N] = x[M, K] @ dequant(W)[K, N] on the CUDA cores, no tensor-core tile.
+
+At 1-8 rows the tensor-core kernel spends its time decoding weights into a tile laid out for the MMA (and
+Triton's layout conversions around it) only to multiply them by a mostly empty operand. Here each decoded
+weight is used directly: it is multiplied by its x element in float32 and summed, as a matrix-vector
+product does. Per weight that is a few bit operations, half a hardware e4m3 -> 16-bit conversion, one
+conversion to float32 and one fused multiply-add per row, so at 1 row the arithmetic fits under the time
+the packed bytes take to stream.
+
+Layout: the packed weight [N, K/2] is viewed as [N, K/16, 8] (one NVFP4 block of 16 logical columns per
+8 bytes; byte j of block b holds columns 16b + 2j in its low nibble and 16b + 2j + 1 in its high one), and x
+is passed as float32 [M, 2, K/16, 8] with x[m, h, b, j] = x[m, 16b + 2j + h] (``gemv_x_layout``), so each
+nibble plane meets its own x plane without any interleave. Each program owns block_n output columns and one
+split of the K blocks; it keeps a [block_n, block_k / 16] float32 accumulator per row (one partial sum per
+NVFP4 block, multiplied by that block's scale) and reduces it once at the end.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels import nvfp4_tile
+from kernels.config import GEMV_MAX_ROWS, Nvfp4MatmulConfig
+
+
+def gemv_x_layout(x_MxK: jax.Array) -> jax.Array:
+  """float32 [M, 2, K/16, 8]: [m, h, b, j] = x[m, 16b + 2j + h] (even columns, then odd ones, per block)."""
+  m, k = x_MxK.shape
+  return x_MxK.astype(jnp.float32).reshape(m, k // 16, 8, 2).transpose(0, 3, 1, 2)
+
+
+def nvfp4_gemv_kernel(x_ref, packed_ref, scale_ref, gs_ref, o_ref, *, rows: int, block_n: int, block_b: int,
+                      b_per_split: int, split: int):
+  """One block_n slice of y for every row, over one split of the K blocks.
+
+  x_ref f32 [M, 2, K/16, 8]; packed_ref uint8 [N, K/16, 8]; scale_ref e4m3 [N, K/16]; gs_ref f32 [1];
+  o_ref [M, N] (x dtype) when split == 1, else float32 partials [split, M, N].
+  """
+  n = packed_ref.shape[0]
+  pid_n = pl.program_id(0)
+  pid_s = pl.program_id(1)
+  cols_N = pid_n * block_n + jnp.arange(block_n)
+  col_mask = cols_N < n
+  cols = pl.ds(pid_n * block_n, block_n)
+
+  def body(i, accs):
+    b0 = pl.multiple_of(pid_s * b_per_split + i * block_b, block_b)
+    blocks = pl.ds(b0, block_b)
+    p_NxBx8 = plgpu.load(packed_ref.at[cols, blocks, :], mask=col_mask[:, None, None], other=0)
+    s_NxB = plgpu.load(scale_ref.at[cols, blocks], mask=col_mask[:, None], other=0.0).astype(jnp.float32)
+    lo_bits, hi_bits = nvfp4_tile.nibbles_to_e4m3_bits(p_NxBx8)
+    # E2M1 / 64 exactly (see nvfp4_tile): the hardware e4m3 conversion does the decode.
+    lo = jax.lax.bitcast_convert_type(lo_bits, jnp.float8_e4m3fn).astype(jnp.float32)
+    hi = jax.lax.bitcast_convert_type(hi_bits, jnp.float8_e4m3fn).astype(jnp.float32)
+    out = []
+    for r in range(rows):
+      row = jnp.int32(r)  # Pallas indexes refs with traced ints, not Python ones
+      xe_Bx8 = x_ref[row, 0, blocks, :]
+      xo_Bx8 = x_ref[row, 1, blocks, :]
+      block_sums_NxB = jnp.sum(lo * xe_Bx8[None] + hi * xo_Bx8[None], axis=-1)
+      out.append(accs[r] + block_sums_NxB * s_NxB)
+    return tuple(out)
+
+  zeros = tuple(jnp.zeros((block_n, block_b), jnp.float32) for _ in range(rows))
+  accs = jax.lax.fori_loop(0, b_per_split // block_b, body, zeros)
+  multiplier = nvfp4_tile.output_multiplier(gs_ref[0])
+  for r in range(rows):
+    y_N = jnp.sum(accs[r], axis=-1) * multiplier
+    row = jnp.int32(r)
+    if split == 1:
+      plgpu.store(o_ref.at[row, cols], y_N.astype(o_ref.dtype), mask=col_mask)
+    else:
+      plgpu.store(o_ref.at[pid_s, row, cols], y_N, mask=col_mask)
+
+
+def nvfp4_gemv_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array, global_scale: jax.Array,
+                      *, config: Nvfp4MatmulConfig, interpret: bool = False, poison: bool = False) -> jax.Array:
+  """Launches the few-row kernel; returns y [M, N] in x's dtype (config: block_n, block_k, split, warps)."""
+  m, k = x_MxK.shape
+  n = packed_NxKh.shape[0]
+  cfg = config
+  if m > GEMV_MAX_ROWS:
+    raise ValueError(f"the gemv kernel takes at most {GEMV_MAX_ROWS} rows, got {m}")
+  if k % cfg.block_k or (k // cfg.block_k) % cfg.split:
+    raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
+  kb = k // 16
+  kernel = functools.partial(nvfp4_gemv_kernel, rows=m, block_n=cfg.block_n, block_b=cfg.block_k // 16,
+                             b_per_split=kb // cfg.split, split=cfg.split)
+  operands = [gemv_x_layout(x_MxK), packed_NxKh.reshape(n, kb, 8), scale_NxKb,
+              global_scale.astype(jnp.float32).reshape(1)]
+  return nvfp4_tile.launch(kernel, operands, rows=m, cols=n, split=cfg.split, dtype=x_MxK.dtype,
+                           grid=(pl.cdiv(n, cfg.block_n), cfg.split), num_warps=cfg.num_warps,
+                           num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_gemv")
