@@ -34,25 +34,27 @@ def gemv_x_layout(x_MxK: jax.Array) -> jax.Array:
   return x_MxK.astype(jnp.float32).reshape(m, k // 16, 8, 2).transpose(0, 3, 1, 2)
 
 
-def nvfp4_gemv_kernel(x_ref, packed_ref, scale_ref, gs_ref, o_ref, *, rows: int, block_n: int, block_b: int,
-                      b_per_split: int, split: int):
+def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_ref, *, n: int, rows: int, block_n: int,
+                      block_b: int, b_per_split: int, split: int):
   """One block_n slice of y for every row, over one split of the K blocks.
 
-  x_ref f32 [M, 2, K/16, 8]; packed_ref uint8 [N, K/16, 8]; scale_ref e4m3 [N, K/16]; gs_ref f32 [1];
-  o_ref [M, N] (x dtype) when split == 1, else float32 partials [split, M, N].
+  x_ref f32 [M, 2, K/16, 8]; layer_ref int32 [1]; packed_ref uint8 [L*N, K/16, 8]; scale_ref e4m3
+  [L*N, K/16]; gs_ref f32 [L] (rows layer*N .. layer*N + N are this weight); o_ref [M, N] (x dtype) when
+  split == 1, else float32 partials [split, M, N].
   """
-  n = packed_ref.shape[0]
+  layer = layer_ref[0]
   pid_n = pl.program_id(0)
   pid_s = pl.program_id(1)
   cols_N = pid_n * block_n + jnp.arange(block_n)
   col_mask = cols_N < n
   cols = pl.ds(pid_n * block_n, block_n)
+  w_rows = pl.ds(layer * n + pid_n * block_n, block_n)
 
   def body(i, accs):
     b0 = pl.multiple_of(pid_s * b_per_split + i * block_b, block_b)
     blocks = pl.ds(b0, block_b)
-    p_NxBx8 = plgpu.load(packed_ref.at[cols, blocks, :], mask=col_mask[:, None, None], other=0)
-    s_NxB = plgpu.load(scale_ref.at[cols, blocks], mask=col_mask[:, None], other=0.0).astype(jnp.float32)
+    p_NxBx8 = plgpu.load(packed_ref.at[w_rows, blocks, :], mask=col_mask[:, None, None], other=0)
+    s_NxB = plgpu.load(scale_ref.at[w_rows, blocks], mask=col_mask[:, None], other=0.0).astype(jnp.float32)
     lo_bits, hi_bits = nvfp4_tile.nibbles_to_e4m3_bits(p_NxBx8)
     # E2M1 / 64 exactly (see nvfp4_tile): the hardware e4m3 conversion does the decode.
     lo = jax.lax.bitcast_convert_type(lo_bits, jnp.float8_e4m3fn).astype(jnp.float32)
@@ -68,7 +70,7 @@ def nvfp4_gemv_kernel(x_ref, packed_ref, scale_ref, gs_ref, o_ref, *, rows: int,
 
   zeros = tuple(jnp.zeros((block_n, block_b), jnp.float32) for _ in range(rows))
   accs = jax.lax.fori_loop(0, b_per_split // block_b, body, zeros)
-  multiplier = nvfp4_tile.output_multiplier(gs_ref[0])
+  multiplier = nvfp4_tile.output_multiplier(gs_ref[layer])
   for r in range(rows):
     y_N = jnp.sum(accs[r], axis=-1) * multiplier
     row = jnp.int32(r)
@@ -79,20 +81,23 @@ def nvfp4_gemv_kernel(x_ref, packed_ref, scale_ref, gs_ref, o_ref, *, rows: int,
 
 
 def nvfp4_gemv_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array, global_scale: jax.Array,
-                      *, config: Nvfp4MatmulConfig, interpret: bool = False, poison: bool = False) -> jax.Array:
-  """Launches the few-row kernel; returns y [M, N] in x's dtype (config: block_n, block_k, split, warps)."""
+                      *, config: Nvfp4MatmulConfig, interpret: bool = False, poison: bool = False,
+                      layer=None) -> jax.Array:
+  """Launches the few-row kernel; returns y [M, N] in x's dtype (config: block_n, block_k, split, warps).
+
+  The weight is one [N, K/2] tensor, or stacked [L, N, K/2] with ``layer`` picking one (read in place).
+  """
   m, k = x_MxK.shape
-  n = packed_NxKh.shape[0]
+  (layer_1, packed, scale, gs), n = nvfp4_tile.layer_operands(packed_NxKh, scale_NxKb, global_scale, layer)
   cfg = config
   if m > GEMV_MAX_ROWS:
     raise ValueError(f"the gemv kernel takes at most {GEMV_MAX_ROWS} rows, got {m}")
   if k % cfg.block_k or (k // cfg.block_k) % cfg.split:
     raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
   kb = k // 16
-  kernel = functools.partial(nvfp4_gemv_kernel, rows=m, block_n=cfg.block_n, block_b=cfg.block_k // 16,
+  kernel = functools.partial(nvfp4_gemv_kernel, n=n, rows=m, block_n=cfg.block_n, block_b=cfg.block_k // 16,
                              b_per_split=kb // cfg.split, split=cfg.split)
-  operands = [gemv_x_layout(x_MxK), packed_NxKh.reshape(n, kb, 8), scale_NxKb,
-              global_scale.astype(jnp.float32).reshape(1)]
+  operands = [gemv_x_layout(x_MxK), layer_1, packed.reshape(packed.shape[0], kb, 8), scale, gs]
   return nvfp4_tile.launch(kernel, operands, rows=m, cols=n, split=cfg.split, dtype=x_MxK.dtype,
                            grid=(pl.cdiv(n, cfg.block_n), cfg.split), num_warps=cfg.num_warps,
                            num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_gemv")

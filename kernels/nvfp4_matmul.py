@@ -32,18 +32,23 @@ def nvfp4_matmul_reference(x: jax.Array, q: NVFP4Tensor) -> jax.Array:
   return jnp.matmul(x, quant.dequantize(q, x.dtype))
 
 
-def check_shapes(x_shape, x_dtype, q: NVFP4Tensor) -> tuple[int, int]:
+def check_shapes(x_shape, x_dtype, q: NVFP4Tensor, layer=None) -> tuple[int, int]:
   """Validates a call; returns (K, N). Raises ValueError naming the offending value."""
   if not isinstance(q, NVFP4Tensor):
     raise TypeError(f"q must be an NVFP4Tensor, got {type(q).__name__}")
-  if q.packed_NxKh.ndim != 2 or q.scale_NxKb.ndim != 2:
-    raise ValueError(f"{q.packed_NxKh.shape=} and {q.scale_NxKb.shape=} must be 2-D (one weight)")
-  n, kh = q.packed_NxKh.shape
+  want_ndim = 2 if layer is None else 3
+  if q.packed_NxKh.ndim != want_ndim or q.scale_NxKb.ndim != want_ndim:
+    what = "2-D (one weight)" if layer is None else "3-D (stacked [L, ...] weights, with layer=)"
+    raise ValueError(f"{q.packed_NxKh.shape=} and {q.scale_NxKb.shape=} must be {what}")
+  lead = q.packed_NxKh.shape[:-2]
+  n, kh = q.packed_NxKh.shape[-2:]
   k = 2 * kh
   if k % NVFP4_BLOCK:
     raise ValueError(f"{k=} (in_features) must be a multiple of {NVFP4_BLOCK}")
-  if q.scale_NxKb.shape != (n, k // NVFP4_BLOCK):
-    raise ValueError(f"{q.scale_NxKb.shape=} must be {(n, k // NVFP4_BLOCK)} for {q.packed_NxKh.shape=}")
+  if q.scale_NxKb.shape != (*lead, n, k // NVFP4_BLOCK):
+    raise ValueError(f"{q.scale_NxKb.shape=} must be {(*lead, n, k // NVFP4_BLOCK)} for {q.packed_NxKh.shape=}")
+  if layer is not None and (jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer)):
+    raise ValueError(f"layer must be an integer scalar, got {layer!r}")
   if q.packed_NxKh.dtype != jnp.uint8:
     raise ValueError(f"{q.packed_NxKh.dtype=} must be uint8")
   if q.scale_NxKb.dtype != jnp.float8_e4m3fn:
@@ -87,20 +92,21 @@ def _zero_cotangent(a: jax.Array):
   return np.zeros(a.shape, dtype=jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _pallas_matmul_2d(x_MxK, q, fwd_cfg, bwd_cfg, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _pallas_matmul_2d(x_MxK, q, layer, fwd_cfg, bwd_cfg, interpret):
   return nvfp4_matmul_fwd_pallas(x_MxK, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=fwd_cfg,
-                                 interpret=interpret)
+                                 interpret=interpret, layer=layer)
 
 
-def _pallas_matmul_2d_fwd(x_MxK, q, fwd_cfg, bwd_cfg, interpret):
-  return _pallas_matmul_2d(x_MxK, q, fwd_cfg, bwd_cfg, interpret), q
+def _pallas_matmul_2d_fwd(x_MxK, q, layer, fwd_cfg, bwd_cfg, interpret):
+  return _pallas_matmul_2d(x_MxK, q, layer, fwd_cfg, bwd_cfg, interpret), (q, layer)
 
 
-def _pallas_matmul_2d_bwd(fwd_cfg, bwd_cfg, interpret, q, dy_MxN):
+def _pallas_matmul_2d_bwd(fwd_cfg, bwd_cfg, interpret, res, dy_MxN):
+  q, layer = res
   dx_MxK = nvfp4_matmul_bwd_pallas(dy_MxN, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=bwd_cfg,
-                                   interpret=interpret)
-  return dx_MxK, jax.tree_util.tree_map(_zero_cotangent, q)
+                                   interpret=interpret, layer=layer)
+  return dx_MxK, jax.tree_util.tree_map(_zero_cotangent, q), _zero_cotangent(layer)
 
 
 _pallas_matmul_2d.defvjp(_pallas_matmul_2d_fwd, _pallas_matmul_2d_bwd)
@@ -126,25 +132,41 @@ def _rows_over_mesh(fn, x_MxK: jax.Array, q: NVFP4Tensor) -> jax.Array:
   return jax.shard_map(fn, in_specs=(rows, P()), out_specs=rows, check_vma=False)(x_MxK, q)
 
 
+def _layer_of(q: NVFP4Tensor, layer) -> NVFP4Tensor:
+  """One layer of a stacked weight (a copy: only the paths that cannot read the stack in place use it)."""
+  return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), q)
+
+
 @functools.partial(jax.jit, static_argnames=("implementation", "interpret", "fwd_config", "bwd_config"))
-def _nvfp4_matmul_jit(x, q, *, implementation, interpret, fwd_config, bwd_config):
+def _nvfp4_matmul_jit(x, q, layer, *, implementation, interpret, fwd_config, bwd_config):
+  if layer is not None and (implementation == "xla" or not jax.sharding.get_abstract_mesh().empty):
+    # The XLA reference dequantizes one layer; under a mesh, shard_map gathers one layer, not the stack.
+    q, layer = _layer_of(q, layer), None
   if implementation == "xla":
     return nvfp4_matmul_reference(x, q)
   k, n = q.shape
   lead = x.shape[:-1]
-  y_MxN = _rows_over_mesh(lambda x_MxK, q: _pallas_matmul_2d(x_MxK, q, fwd_config, bwd_config, interpret),
-                          x.reshape(-1, k), q)
+  if layer is not None:
+    y_MxN = _pallas_matmul_2d(x.reshape(-1, k), q, layer, fwd_config, bwd_config, interpret)
+  else:
+    y_MxN = _rows_over_mesh(
+        lambda x_MxK, q: _pallas_matmul_2d(x_MxK, q, jnp.int32(0), fwd_config, bwd_config, interpret),
+        x.reshape(-1, k), q)
   return y_MxN.reshape(*lead, n)
 
 
-def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor, *, implementation: str | None = None,
+def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor, *, layer=None, implementation: str | None = None,
                  interpret: bool = False, fwd_config: config_lib.Nvfp4MatmulConfig | None = None,
                  bwd_config: config_lib.Nvfp4MatmulConfig | None = None) -> jax.Array:
   """y = x @ dequantize(q, x.dtype) without materializing the 16-bit weight.
 
   Args:
     x: activations [..., K], bf16 or fp16 for the kernels (other float dtypes use the XLA path).
-    q: NVFP4Tensor of logical shape [K, N] (``qerl_jax.quant.quantize(w, "nvfp4")``).
+    q: NVFP4Tensor of logical shape [K, N] (``qerl_jax.quant.quantize(w, "nvfp4")``), or a stack of them
+      ([L, N, K/2] packed, as the model stores layers) with ``layer`` given.
+    layer: with a stacked q, the integer scalar (may be traced, e.g. a scan's layer index) of the weight to
+      use. The kernels read that layer in place: a `lax.scan` over layers that slices the stack would
+      otherwise copy every layer's weight before each matmul.
     implementation: "pallas" (fused Pallas/Triton kernels), "xla" (dequantize then dot), "triton"
       (reserved for a jax-triton kernel; not built, raises), or None for the fastest one available here.
     interpret: run the Pallas kernels in interpret mode (any backend, for tests).
@@ -152,7 +174,7 @@ def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor, *, implementation: str | None = N
   Returns:
     y [..., N] in x's dtype. Differentiable in x (the weight is treated as a constant).
   """
-  k, n = check_shapes(x.shape, x.dtype, q)
+  k, n = check_shapes(x.shape, x.dtype, q, layer)
   if implementation is None:
     implementation = "pallas" if interpret else default_implementation(x.dtype)
   if implementation not in IMPLEMENTATIONS:
@@ -178,5 +200,5 @@ def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor, *, implementation: str | None = N
       bwd_config = config_lib.fit(bwd_config, "bwd", m, k, n)
     if m == 0 or n == 0:
       return jnp.zeros((*x.shape[:-1], n), x.dtype)
-  return _nvfp4_matmul_jit(x, q, implementation=implementation, interpret=interpret,
+  return _nvfp4_matmul_jit(x, q, layer, implementation=implementation, interpret=interpret,
                            fwd_config=fwd_config, bwd_config=bwd_config)

@@ -21,17 +21,19 @@ from kernels.config import Nvfp4MatmulConfig
 from kernels.nvfp4_matmul_fwd import _tile_ids, logical_order
 
 
-def nvfp4_matmul_bwd_kernel(dy_ref, packed_ref, scale_ref, gs_ref, o_ref, *, block_m: int, block_n: int,
+def nvfp4_matmul_bwd_kernel(dy_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_ref, *, block_m: int, block_n: int,
                             block_k: int, steps_per_split: int, group_m: int, split: int,
                             dequant: str = "jnp"):
   """One [block_m, block_k] tile of dx over one split of N.
 
-  dy_ref [M, N]; packed_ref uint8 [N, K/2]; scale_ref e4m3 [N, K/16]; gs_ref f32 [1];
+  dy_ref [M, N]; layer_ref int32 [1]; packed_ref uint8 [L*N, K/2]; scale_ref e4m3 [L*N, K/16]; gs_ref f32
+  [L] (rows layer*N .. layer*N + N are this weight);
   o_ref [M, K] (dy dtype) when split == 1, else float32 partials [split, M, K]; with dequant == "halves" each
   block_k run of dx's columns is written as its even columns, then its odd ones (``halves_order``).
   """
   m, n = dy_ref.shape
   k = 2 * packed_ref.shape[1]
+  layer = layer_ref[0]
   num_m = pl.cdiv(m, block_m)
   num_k = k // block_k
   pid_m, pid_k = _tile_ids(pl.program_id(0), num_m, num_k, group_m)
@@ -46,15 +48,14 @@ def nvfp4_matmul_bwd_kernel(dy_ref, packed_ref, scale_ref, gs_ref, o_ref, *, blo
     col_mask = (n0 + jnp.arange(block_n)) < n
     dy_MxN = plgpu.load(dy_ref.at[pl.ds(pid_m * block_m, block_m), pl.ds(n0, block_n)],
                         mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-    p_NxKh = plgpu.load(
-        packed_ref.at[pl.ds(n0, block_n), pl.ds(pl.multiple_of(k0 // 2, block_k // 2), block_k // 2)],
-        mask=col_mask[:, None], other=0)
-    s_NxKb = plgpu.load(scale_ref.at[pl.ds(n0, block_n), pl.ds(k0 // 16, block_k // 16)],
-                        mask=col_mask[:, None], other=0.0)
+    w_rows = pl.ds(layer * n + n0, block_n)
+    p_NxKh = plgpu.load(packed_ref.at[w_rows, pl.ds(pl.multiple_of(k0 // 2, block_k // 2), block_k // 2)],
+                        mask=col_mask[:, None], other=0)
+    s_NxKb = plgpu.load(scale_ref.at[w_rows, pl.ds(k0 // 16, block_k // 16)], mask=col_mask[:, None], other=0.0)
     return dy_MxN, p_NxKh, s_NxKb
 
   contract = (((0,), (1,)), ((), ()))
-  multiplier = nvfp4_tile.output_multiplier(gs_ref[0], dequant)
+  multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
   mask = row_mask[:, None]
   if dequant == "halves":  # two accumulators, dx's even and odd columns: no interleave in the kernel
     def body_halves(i, accs):
@@ -92,13 +93,15 @@ def nvfp4_matmul_bwd_kernel(dy_ref, packed_ref, scale_ref, gs_ref, o_ref, *, blo
 
 def nvfp4_matmul_bwd_pallas(dy_MxN: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array,
                             global_scale: jax.Array, *, config: Nvfp4MatmulConfig,
-                            interpret: bool = False, poison: bool = False) -> jax.Array:
+                            interpret: bool = False, poison: bool = False, layer=None) -> jax.Array:
   """Builds the grid and launches the backward kernel; returns dx [M, K] in dy's dtype.
 
+  The weight is one [N, K/2] tensor, or stacked [L, N, K/2] with ``layer`` picking one (read in place).
   poison: start from a NaN-filled output (aliased in place), so a tile the kernel fails to write shows up.
   """
   m, n = dy_MxN.shape
-  k = 2 * packed_NxKh.shape[1]
+  k = 2 * packed_NxKh.shape[-1]
+  weight_operands, _ = nvfp4_tile.layer_operands(packed_NxKh, scale_NxKb, global_scale, layer)
   cfg = config
   if k % cfg.block_k:
     raise ValueError(f"{k=} must be a multiple of {cfg.block_k=}")
@@ -110,8 +113,7 @@ def nvfp4_matmul_bwd_pallas(dy_MxN: jax.Array, packed_NxKh: jax.Array, scale_NxK
       nvfp4_matmul_bwd_kernel, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
       steps_per_split=steps_per_split, group_m=cfg.group_m, split=split,
       dequant=nvfp4_tile.decoder(cfg.dequant, interpret))
-  operands = [dy_MxN, packed_NxKh, scale_NxKb, global_scale.astype(jnp.float32).reshape(1)]
-  out = nvfp4_tile.launch(kernel, operands, rows=m, cols=k, split=split, dtype=dy_MxN.dtype,
+  out = nvfp4_tile.launch(kernel, [dy_MxN, *weight_operands], rows=m, cols=k, split=split, dtype=dy_MxN.dtype,
                           grid=(num_m * (k // cfg.block_k), split), num_warps=cfg.num_warps,
                           num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_matmul_bwd")
   if cfg.dequant == "halves":

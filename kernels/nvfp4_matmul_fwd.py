@@ -46,17 +46,18 @@ def logical_order(a_MxK: jax.Array, block_k: int) -> jax.Array:
   return a_MxK.reshape(m, k // block_k, 2, block_k // 2).swapaxes(2, 3).reshape(m, k)
 
 
-def nvfp4_matmul_fwd_kernel(x_ref, packed_ref, scale_ref, gs_ref, o_ref, *, block_m: int, block_n: int,
-                            block_k: int, k_per_split: int, group_m: int, split: int,
+def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_ref, *, n: int, block_m: int,
+                            block_n: int, block_k: int, k_per_split: int, group_m: int, split: int,
                             dequant: str = "jnp"):
   """One [block_m, block_n] output tile over one contraction split.
 
   x_ref [M, K] (with dequant == "halves", each block_k run of columns holds the run's even columns, then its
-  odd ones: see ``halves_order``); packed_ref uint8 [N, K/2]; scale_ref e4m3 [N, K/16]; gs_ref f32 [1];
+  odd ones: see ``halves_order``); layer_ref int32 [1]; packed_ref uint8 [L*N, K/2]; scale_ref e4m3
+  [L*N, K/16]; gs_ref f32 [L] (``nvfp4_tile.layer_operands``: rows layer*N .. layer*N + N are this weight);
   o_ref [M, N] (x dtype) when split == 1, else float32 partials [split, M, N].
   """
   m, _ = x_ref.shape
-  n = packed_ref.shape[0]
+  layer = layer_ref[0]
   num_m = pl.cdiv(m, block_m)
   num_n = pl.cdiv(n, block_n)
   pid_m, pid_n = _tile_ids(pl.program_id(0), num_m, num_n, group_m)
@@ -66,16 +67,13 @@ def nvfp4_matmul_fwd_kernel(x_ref, packed_ref, scale_ref, gs_ref, o_ref, *, bloc
   row_mask = rows_M < m
   col_mask = cols_N < n
   k_start = pid_s * k_per_split
+  w_rows = pl.ds(layer * n + pid_n * block_n, block_n)
 
   def body(i, acc_NxM):
     k0 = pl.multiple_of(k_start + i * block_k, block_k)
-    p_NxKh = plgpu.load(
-        packed_ref.at[pl.ds(pid_n * block_n, block_n), pl.ds(pl.multiple_of(k0 // 2, block_k // 2),
-                                                              block_k // 2)],
-        mask=col_mask[:, None], other=0)
-    s_NxKb = plgpu.load(
-        scale_ref.at[pl.ds(pid_n * block_n, block_n), pl.ds(k0 // 16, block_k // 16)],
-        mask=col_mask[:, None], other=0.0)
+    p_NxKh = plgpu.load(packed_ref.at[w_rows, pl.ds(pl.multiple_of(k0 // 2, block_k // 2), block_k // 2)],
+                        mask=col_mask[:, None], other=0)
+    s_NxKb = plgpu.load(scale_ref.at[w_rows, pl.ds(k0 // 16, block_k // 16)], mask=col_mask[:, None], other=0.0)
     contract = (((1,), (1,)), ((), ()))
     if dequant == "halves":  # the low nibbles meet x's even columns, the high ones its odd columns
       rows = pl.ds(pid_m * block_m, block_m)
@@ -92,7 +90,7 @@ def nvfp4_matmul_fwd_kernel(x_ref, packed_ref, scale_ref, gs_ref, o_ref, *, bloc
 
   acc_NxM = jax.lax.fori_loop(0, k_per_split // block_k, body,
                               jnp.zeros((block_n, block_m), jnp.float32))
-  y_MxN = acc_NxM.T * nvfp4_tile.output_multiplier(gs_ref[0], dequant)
+  y_MxN = acc_NxM.T * nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
   mask = row_mask[:, None] & col_mask[None, :]
   if split == 1:
     plgpu.store(o_ref.at[pl.ds(pid_m * block_m, block_m), pl.ds(pid_n * block_n, block_n)],
@@ -104,29 +102,29 @@ def nvfp4_matmul_fwd_kernel(x_ref, packed_ref, scale_ref, gs_ref, o_ref, *, bloc
 
 def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array,
                             global_scale: jax.Array, *, config: Nvfp4MatmulConfig,
-                            interpret: bool = False, poison: bool = False) -> jax.Array:
+                            interpret: bool = False, poison: bool = False, layer=None) -> jax.Array:
   """Builds the grid and launches the forward kernel (or, for config.engine == "gemv", the few-row kernel of
   ``nvfp4_gemv``); returns y [M, N] in x's dtype.
 
+  The weight is one [N, K/2] tensor, or stacked [L, N, K/2] with ``layer`` picking one (read in place).
   poison: start from a NaN-filled output (aliased in place), so a tile the kernel fails to write shows up.
   """
   if config.engine == "gemv":
     return nvfp4_gemv_pallas(x_MxK, packed_NxKh, scale_NxKb, global_scale, config=config, interpret=interpret,
-                             poison=poison)
+                             poison=poison, layer=layer)
   m, k = x_MxK.shape
-  n = packed_NxKh.shape[0]
+  weight_operands, n = nvfp4_tile.layer_operands(packed_NxKh, scale_NxKb, global_scale, layer)
   cfg = config
   if k % cfg.block_k or (k // cfg.block_k) % cfg.split:
     raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
   num_m = pl.cdiv(m, cfg.block_m)
   num_n = pl.cdiv(n, cfg.block_n)
   kernel = functools.partial(
-      nvfp4_matmul_fwd_kernel, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
+      nvfp4_matmul_fwd_kernel, n=n, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
       k_per_split=k // cfg.split, group_m=cfg.group_m, split=cfg.split,
       dequant=nvfp4_tile.decoder(cfg.dequant, interpret))
   # "halves": a reordered copy of x (small next to the weight it multiplies).
   x_in = halves_order(x_MxK, cfg.block_k) if cfg.dequant == "halves" else x_MxK
-  operands = [x_in, packed_NxKh, scale_NxKb, global_scale.astype(jnp.float32).reshape(1)]
-  return nvfp4_tile.launch(kernel, operands, rows=m, cols=n, split=cfg.split, dtype=x_MxK.dtype,
+  return nvfp4_tile.launch(kernel, [x_in, *weight_operands], rows=m, cols=n, split=cfg.split, dtype=x_MxK.dtype,
                            grid=(num_m * num_n, cfg.split), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                            interpret=interpret, poison=poison, name="nvfp4_matmul_fwd")

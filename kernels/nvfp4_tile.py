@@ -124,6 +124,26 @@ def dequant_tile_asm(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype) -> ja
   return jnp.stack([lo, hi], axis=-1).reshape(r, 2 * kh)
 
 
+def layer_operands(packed, scale, global_scale, layer) -> tuple[list, int]:
+  """The weight operands every kernel takes, for one weight or one layer of a stacked one, without a copy.
+
+  packed [N, K/2] / scale [N, K/16] / global_scale [] or [1] (one weight, layer None or 0), or stacked
+  [L, N, K/2] / [L, N, K/16] / [L] with ``layer`` an int32 scalar (may be traced). Returns
+  ([layer int32[1], packed [L*N, K/2], scale [L*N, K/16], global_scale f32[L]], N): the kernels offset their
+  row reads by layer * N, so a model scanning over stacked layers never slices (copies) the weight.
+  """
+  if packed.ndim == 2:
+    packed, scale = packed[None], scale[None]
+    global_scale = jnp.reshape(global_scale, (1,))
+    layer = 0 if layer is None else layer
+  elif layer is None:
+    raise ValueError(f"a stacked weight ({packed.shape=}) needs the layer to multiply by")
+  num_layers, n, kh = packed.shape
+  layer_1 = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+  return [layer_1, packed.reshape(num_layers * n, kh), scale.reshape(num_layers * n, scale.shape[-1]),
+          global_scale.astype(jnp.float32).reshape(num_layers)], n
+
+
 def drop_poison_ref(kernel, *refs):
   """Calls ``kernel`` without the NaN-filled input that is aliased to the output (it is never read)."""
   *ins, _poison_ref, out_ref = refs

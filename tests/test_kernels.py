@@ -79,7 +79,7 @@ def test_fwd_kernel_matches_oracle(request, m, k, n, dtype, cfg):
   rng = _rng(request)
   q = _random_q(rng, k, n)
   x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-  wanted = (cfg.dequant, cfg.engine) if cfg else ("jnp", "tensorcore")
+  wanted = (cfg.dequant, cfg.engine) if cfg else ("jnp", "gemv" if m <= 2 else "tensorcore")
   cfg = config_lib.fit(cfg, "fwd", m, k, n) if cfg else config_lib.heuristic_config("fwd", m, k, n)
   assert (cfg.dequant, cfg.engine) == wanted
   y = nvfp4_matmul_fwd_pallas(x, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=cfg,
@@ -232,9 +232,12 @@ def test_configs_fit_every_shape():
           assert k % cfg.block_k == 0
           if direction == "fwd":
             assert (k // cfg.block_k) % cfg.split == 0
-  # Few rows split the contraction so that ~2 programs per SM stream weights.
+  # Few rows split the contraction so that ~2 programs per SM stream weights; decode rows take the gemv engine,
+  # whose narrow column blocks alone give every SM work.
+  cfg = config_lib.heuristic_config("fwd", 8, 3584, 3584)
+  assert cfg.engine == "tensorcore" and cfg.split > 1 and cfg.split * (3584 // cfg.block_n) >= 2 * 132
   cfg = config_lib.heuristic_config("fwd", 1, 3584, 3584)
-  assert cfg.split > 1 and cfg.split * (3584 // cfg.block_n) >= 2 * 132
+  assert cfg.engine == "gemv" and cfg.split * (3584 // cfg.block_n) >= 132
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -336,3 +339,53 @@ def test_gemv_engine_through_dispatch_and_grad(request):
   dy = jnp.asarray(rng.standard_normal((2, 3, n)), jnp.bfloat16)
   (dx,) = vjp(dy)
   _assert_close(dx.reshape(6, k), dy.reshape(6, n), _dequant_np(q).T, jnp.bfloat16)
+
+
+def _stack(qs):
+  return NVFP4Tensor(jnp.stack([q.packed_NxKh for q in qs]), jnp.stack([q.scale_NxKb for q in qs]),
+                     jnp.stack([q.global_scale for q in qs]))
+
+
+@pytest.mark.parametrize("engine", ["tensorcore", "gemv"])
+def test_stacked_weights_are_read_in_place_by_layer(request, engine):
+  # A scan over layers hands the kernels the whole stack and its index: every layer's product (forward and
+  # gradient) equals that layer's oracle, and no per-layer slice of the packed bytes is ever taken.
+  rng = _rng(request)
+  num_layers, m, k, n = 3, 5, 64, 48
+  qs = [_random_q(rng, k, n) for _ in range(num_layers)]
+  stacked = _stack(qs)
+  x = jnp.asarray(rng.standard_normal((num_layers, m, k)), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((num_layers, m, n)), jnp.bfloat16)
+  cfg = Nvfp4MatmulConfig(block_n=16, block_k=32, engine=engine)
+
+  def all_layers(x):
+    def body(_, xs):
+      x_l, layer = xs
+      return None, kernels.nvfp4_matmul(x_l, stacked, layer=layer, interpret=True, fwd_config=cfg)
+    return jax.lax.scan(body, None, (x, jnp.arange(num_layers, dtype=jnp.int32)))[1]
+
+  y, vjp = jax.vjp(all_layers, x)
+  (dx,) = vjp(dy)
+  for layer, q in enumerate(qs):
+    _assert_close(y[layer], x[layer], _dequant_np(q), jnp.bfloat16)
+    _assert_close(dx[layer], dy[layer], _dequant_np(q).T, jnp.bfloat16)
+  jaxpr = str(jax.make_jaxpr(lambda x: jax.vjp(all_layers, x)[1](dy))(x))
+  assert f"u8[{n},{k // 2}]" not in jaxpr, "a layer of the packed weight was sliced out"
+  assert f"u8[{num_layers * n},{k // 2}]" in jaxpr  # the kernels get the whole stack
+
+
+def test_stacked_weights_need_a_layer_and_one_weight_takes_none(request):
+  rng = _rng(request)
+  q = _random_q(rng, 32, 16)
+  x = jnp.ones((2, 32), jnp.bfloat16)
+  with pytest.raises(ValueError, match="must be 3-D"):
+    kernels.nvfp4_matmul(x, q, layer=0, interpret=True)
+  with pytest.raises(ValueError, match="must be 2-D"):
+    kernels.nvfp4_matmul(x, _stack([q, q]), interpret=True)
+  with pytest.raises(ValueError, match="layer must be an integer scalar"):
+    kernels.nvfp4_matmul(x, _stack([q, q]), layer=jnp.zeros(2, jnp.int32), interpret=True)
+  # The XLA fallback takes the same stacked call (it slices the layer, as it must to dequantize).
+  two = _stack([q, _random_q(rng, 32, 16)])
+  np.testing.assert_array_equal(np.asarray(kernels.nvfp4_matmul(x, two, layer=1, implementation="xla")),
+                                np.asarray(kernels.nvfp4_matmul(x, jax.tree.map(lambda a: a[1], two),
+                                                                implementation="xla")))

@@ -1,6 +1,7 @@
 """The forward contract: KV-cache decoding, left padding, AQN norm noise, remat, trainable/frozen split."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ from qerl_jax.model import (
   LoraConfig, ModelConfig, Transformer, base_matmul, init_cache, random_base, split_params,
 )
 from qerl_jax.model.testing import fresh_seed
+from qerl_jax.model.transformer import forward
 
 
 def tiny_config(**kw):
@@ -238,3 +240,28 @@ def test_prefill_at_a_static_cache_index_attends_only_to_visible_slots(model_and
     np.testing.assert_allclose(np.asarray(static_cache[key][:, 0]), np.asarray(traced_cache[key][:, 0]),
                                rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(static_cache[key][:, :, prompt_len:]), 0.0)
+
+
+def test_nvfp4_layers_reach_the_kernels_whole_and_give_the_xla_logits(monkeypatch):
+  # The layer scan hands each NVFP4 projection to the kernel as the whole stack plus the layer index
+  # (`LayerOf`), so no layer of packed bytes is sliced (copied); the logits equal the XLA path's, which
+  # dequantizes a sliced layer. The kernels run in Pallas interpret mode (bf16 activations).
+  import kernels
+  seed = fresh_seed()
+  config = tiny_config(dtype="bfloat16")
+  model = random_model(config, seed, quant="nvfp4")
+  tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 128, (2, 6)))
+  params = model.params()
+  # Fresh functions (not the model's cached jit), so each traces the matmul path in force at the time.
+  xla_logits = np.asarray(jax.jit(lambda p: forward(p, config, model.lora_scale, tokens))(params))
+  monkeypatch.setattr(kernels, "nvfp4_matmul", functools.partial(kernels.nvfp4_matmul, interpret=True))
+  run = lambda p: forward(p, config, model.lora_scale, tokens)
+  kernel_logits = np.asarray(jax.jit(run)(params))
+  scale = np.abs(xla_logits).max()
+  np.testing.assert_allclose(kernel_logits, xla_logits, atol=0.03 * scale, err_msg=f"{seed=}")
+  assert np.abs(kernel_logits - xla_logits).max() < 0.1 * np.abs(xla_logits - xla_logits.mean()).max()
+  jaxpr = str(jax.make_jaxpr(run)(params))
+  sliced = re.findall(r":u8\[[\d,]*\] = (?:dynamic_slice|slice|gather)", jaxpr)
+  assert not sliced, f"packed NVFP4 bytes were sliced out of the stack: {sliced}"
+  # The kernels' packed operands are both layers' rows: gate/up [2 x 96, 64 / 2], down [2 x 64, 96 / 2].
+  assert "u8[192,32]" in jaxpr and "u8[128,48]" in jaxpr

@@ -34,7 +34,9 @@ from flax import nnx
 
 from qerl_jax.model import attention as attn
 from qerl_jax.model.config import ModelConfig
-from qerl_jax.model.linear import PROJ_NAMES, Frozen, LoraConfig, Projection, init_loras, linear, logical_shape
+from qerl_jax.model.linear import (PROJ_NAMES, Frozen, LayerOf, LoraConfig, Projection, init_loras, linear,
+                                   logical_shape)
+from qerl_jax.quant.types import NVFP4Tensor
 
 NOISE_KEYS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
 # RMSNorm scales that `train_norms=True` makes trainable: the block norms, as the QeRL authors train.
@@ -107,6 +109,19 @@ def _check_noise(config: ModelConfig, norm_noise: dict[str, jax.Array] | None) -
   return out
 
 
+def _read_in_place(layers: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+  """(what the layer scan slices, the stacked NVFP4 weights it leaves whole for the kernels to index).
+
+  Slicing a stacked weight inside the scan costs a copy of that layer's weight per use; the NVFP4 kernels
+  read layer l of the stack in place instead (`LayerOf`). Everything else (norms, biases, adapters, other
+  formats) is sliced as usual.
+  """
+  whole = {name: p["w"] for name, p in layers.items()
+           if isinstance(p, dict) and isinstance(p.get("w"), NVFP4Tensor)}
+  sliced = {name: ({k: v for k, v in p.items() if k != "w"} if name in whole else p) for name, p in layers.items()}
+  return sliced, whole
+
+
 def forward(params: dict[str, Any], config: ModelConfig, lora_scale: float, tokens_BxT: jax.Array,
             positions_BxT: jax.Array | None = None, *, cache: dict[str, jax.Array] | None = None,
             cache_index: Any = None, valid_BxS: jax.Array | None = None,
@@ -136,16 +151,19 @@ def forward(params: dict[str, Any], config: ModelConfig, lora_scale: float, toke
   cos, sin = attn.rope_cos_sin(config, positions_BxT)
   x = jnp.take(params["embed_tokens"], tokens_BxT, axis=0).astype(config.dtype)
 
+  sliced, whole = _read_in_place(params["layers"])
+
   def body(carry, xs):
     x, kv = carry
     p, layer_noise, layer = xs
+    p = {**p, **{name: {**p[name], "w": LayerOf(w, layer)} for name, w in whole.items()}}
     x, kv = _layer(config, lora_scale, x, p, layer_noise, cos, sin, mask_BxTxS, kv, layer, cache_index)
     return (x, kv), None
 
   if config.remat:
     body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, config.remat_policy))
   kv = None if cache is None else (cache["k"], cache["v"])
-  xs = (params["layers"], noise, jnp.arange(config.num_layers, dtype=jnp.int32))
+  xs = (sliced, noise, jnp.arange(config.num_layers, dtype=jnp.int32))
   (x, kv), _ = jax.lax.scan(body, (x, kv), xs)
   h = attn.rms_norm(x, params["norm"], config.rms_norm_eps)
   out = h if return_hidden else lm_head_logits(h, _lm_head(params))
