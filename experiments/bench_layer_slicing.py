@@ -6,7 +6,8 @@ each weight three times (read, write the copy, read it) instead of once. This be
 over L layers of the Qwen2.5-7B MLP shape (x[B, 3584] @ up[3584, 18944] -> tanh -> @ down[18944, 3584])
 in the two forms, for bf16 weights (XLA dot) and NVFP4 (the fused kernel):
   scan: `lax.scan` over the stacked weights, the model's form;
-  list: a Python loop over L separately stored weights, where nothing is sliced.
+  list: a Python loop over L separately stored weights, where nothing is sliced;
+  in_place (NVFP4): the scan passes the layer index and the kernels read that layer of the stack in place.
 It prints microseconds per pass, the weight-streaming floor, and how many dynamic-slice and copy
 instructions the optimized HLO holds; XLA_FLAGS (e.g. --xla_gpu_enable_dynamic_slice_fusion=true) apply.
 
@@ -52,6 +53,16 @@ def _scan_pass(x, ups, downs):
   def body(x, ws):
     return _layer(x, *ws), None
   return jax.lax.scan(body, x, (ups, downs))[0]
+
+
+def _in_place_pass(x, ups, downs):
+  """NVFP4 only: the scan carries the layer index and the kernels read that layer of the stack in place."""
+  from kernels import nvfp4_matmul  # pylint: disable=import-outside-toplevel
+
+  def body(x, layer):
+    h = jnp.tanh(nvfp4_matmul(x, ups, layer=layer))
+    return jnp.tanh(nvfp4_matmul(h, downs, layer=layer)), None
+  return jax.lax.scan(body, x, jnp.arange(ups.packed_NxKh.shape[0], dtype=jnp.int32))[0]
 
 
 def _list_pass(x, ups, downs):
@@ -105,9 +116,11 @@ def main(argv=None):
     nbytes = sum(a.nbytes for a in jax.tree.leaves((ups, downs)))
     for rows in map(int, args.rows.split(",")):
       x = jax.random.normal(key, (rows, args.k), jnp.float32).astype(jnp.bfloat16)
-      for form in ("scan", "list"):
+      for form in ("scan", "list") + (("in_place",) if fmt == "nvfp4" else ()):
         if form == "scan":
           s, counts = _time(_scan_pass, x, ups, downs, args.passes)
+        elif form == "in_place":
+          s, counts = _time(_in_place_pass, x, ups, downs, args.passes)
         else:
           u_list, d_list = _split(ups, args.layers), _split(downs, args.layers)
           s, counts = _time(_list_pass, x, u_list, d_list, args.passes)
@@ -123,9 +136,9 @@ def main(argv=None):
   with open(args.out, "a") as f:
     for rec in rows_out:
       f.write(json.dumps(rec) + "\n")
-  print(f"\n{'format':<7}{'rows':>5}  {'form':<5}{'us/pass':>10}{'floor us':>10}{'floor %':>9}  hlo")
+  print(f"\n{'format':<7}{'rows':>5}  {'form':<9}{'us/pass':>10}{'floor us':>10}{'floor %':>9}  hlo")
   for r in rows_out:
-    print(f"{r['format']:<7}{r['rows']:>5}  {r['form']:<5}{r['us_per_pass']:>10.1f}{r['floor_us']:>10.1f}"
+    print(f"{r['format']:<7}{r['rows']:>5}  {r['form']:<9}{r['us_per_pass']:>10.1f}{r['floor_us']:>10.1f}"
           f"{100 * r['floor_frac']:>8.0f}%  {r['hlo']}")
   return rows_out
 
