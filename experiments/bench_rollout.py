@@ -225,6 +225,9 @@ def _time_hf(args, model, spec, batch):
 
 
 def commit() -> str:
+  # QERL_COMMIT first: the GPU machine's copy of the tree can carry a .git whose HEAD is not the tree's commit.
+  if os.environ.get("QERL_COMMIT"):
+    return os.environ["QERL_COMMIT"]
   try:
     return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
   except Exception:  # pylint: disable=broad-except
