@@ -210,6 +210,31 @@ def bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw, dtype=jnp.bfloat1
               config=dataclasses.asdict(cfg), candidate=candidate, first_call_s=round(compile_s, 2))
 
 
+def bench_xla(direction, k, n, rows, key, bf16_cache, bw, dtype=jnp.bfloat16):
+  """Times the XLA path (dequantize the weight to bf16, then XLA's dot) on the same shape; returns a record.
+
+  At thousands of rows the dot is compute-bound and the dequantization (one pass over the weight) is small
+  next to it, so this path may beat a fused kernel there; `--xla` measures where.
+  """
+  from kernels.nvfp4_matmul import nvfp4_matmul_reference  # pylint: disable=import-outside-toplevel
+  from qerl_jax.quant.types import NVFP4Tensor  # pylint: disable=import-outside-toplevel
+  copies = int(np.clip(math.ceil(_L2_BYTES_x4 / _weight_bytes(k, n)), 2, 16))
+  ws = [NVFP4Tensor(p, s, g) for p, s, g in _random_weights(key, k, n, copies)]
+  in_dim = k if direction == "fwd" else n
+  a = jax.random.normal(jax.random.fold_in(key, 99), (rows, in_dim), jnp.float32).astype(dtype)
+  if direction == "fwd":
+    op = nvfp4_matmul_reference
+  else:
+    op = lambda dy, q: jax.vjp(lambda x: nvfp4_matmul_reference(x, q), jnp.zeros((rows, k), dtype))[1](dy)[0]
+  us = _time_loop(op, a, ws)
+  bkey = (direction, k, n, rows)
+  bf16_us = bf16_cache.get(bkey, float("nan"))
+  roof_us = _weight_bytes(k, n) / bw * 1e6
+  return dict(rows=rows, k=k, n=n, direction=direction, us=round(us, 2), bf16_us=round(bf16_us, 2),
+              speedup=round(bf16_us / us, 3), roofline_frac=round(roof_us / us, 3), roofline_us=round(roof_us, 2),
+              config={"block_n": 0, "block_k": 0, "split": 0, "num_warps": 0, "engine": "xla"})
+
+
 def _bucket(direction, rows):
   for (d, max_rows) in sorted(CANDIDATES, key=lambda t: (t[0], t[1])):
     if d == direction and rows <= max_rows:
@@ -268,6 +293,8 @@ def main(argv=None):
   p.add_argument("--out", default="experiments/results/kernels.jsonl")
   p.add_argument("--tuning-out", default="", help="with --sweep: write the winners as tuning JSON here")
   p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU smoke test only)")
+  p.add_argument("--xla", action="store_true",
+                 help="also time the XLA path (dequantize, then XLA's dot) after each kernel, same shape")
   p.add_argument("--gemv", action="store_true",
                  help="at forward rows <= 16 also time every gemv-engine candidate; the fastest is reported")
   p.add_argument("--ab", action="store_true",
@@ -322,6 +349,13 @@ def main(argv=None):
                 best = rec
             if best is not None:
               records.append(best)
+            if args.xla:
+              rec = bench_xla(direction, k, n, rows, key, bf16_cache, bw)
+              rec.update(shape=f"qwen2.5-{model}.{layer}", implementation="xla", commit=commit, device=device,
+                         copy_tbps=round(bw / 1e12, 3), sweep="xla")
+              f.write(json.dumps(rec) + "\n")
+              f.flush()
+              records.append(rec)
   print(_summary(records))
   if args.sweep and args.tuning_out:
     with open(args.tuning_out, "w") as g:
