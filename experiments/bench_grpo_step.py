@@ -74,6 +74,7 @@ def run_one(args) -> dict:
   import jax.numpy as jnp
   import numpy as np
   from flax import nnx
+  import kernels
   from qerl_jax import memory, sharding
   from qerl_jax.model import Transformer, split_params
   from qerl_jax.model.linear import LoraConfig
@@ -91,7 +92,8 @@ def run_one(args) -> dict:
   on_gpu = jax.default_backend() == "gpu"
   plan = memory.plan(config, args.quant, rows, args.prompt_len, args.new_tokens, mesh_shape, args.lora_rank,
                      args.micro_batch, True, logprob_chunk=args.logprob_chunk, vocab_chunk=args.vocab_chunk,
-                     fused_kernel=args.quant == "nvfp4" and on_gpu)
+                     fused_kernel=args.quant == "nvfp4" and on_gpu,
+                     xla_min_rows=kernels.xla_min_rows() if on_gpu else None)
   print(plan.table(), file=sys.stderr, flush=True)
   memory.check_fits(plan, memory.device_capacity())
 

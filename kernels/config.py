@@ -154,15 +154,29 @@ def _device_file(device_kind: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def load_tuning(device_kind: str) -> tuple:
-  """The tuned entries for a device kind (empty when there is no file)."""
+def _tuning_file(device_kind: str) -> dict:
   path = _device_file(device_kind)
   if not os.path.exists(path):
-    return ()
+    return {}
   with open(path) as f:
-    data = json.load(f)
+    return json.load(f)
+
+
+def load_tuning(device_kind: str) -> tuple:
+  """The tuned entries for a device kind (empty when there is no file)."""
   return tuple((e["direction"], int(e["max_rows"]), tuple(sorted(e["config"].items())))
-               for e in data["entries"])
+               for e in _tuning_file(device_kind).get("entries", ()))
+
+
+def xla_min_rows(device_kind: str | None) -> int | None:
+  """Rows from which dequantize-then-dot (XLA) beats the fused kernels on this device kind, if measured.
+
+  At thousands of rows the matmul is compute-bound: XLA's bf16 dot on a once-dequantized layer costs one extra
+  pass over the weight, while the fused kernels' tile decode makes them several times slower. The tuning file's
+  top-level "xla_min_rows" records the crossover; None (no entry) keeps the kernels at every size.
+  """
+  value = _tuning_file(device_kind).get("xla_min_rows") if device_kind else None
+  return None if value is None else int(value)
 
 
 def get_config(direction: str, m: int, k: int, n: int, device_kind: str | None = None,

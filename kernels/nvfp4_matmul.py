@@ -79,10 +79,20 @@ def _device_kind() -> str:
   return jax.devices()[0].device_kind
 
 
-def default_implementation(x_dtype) -> str:
-  """What ``implementation=None`` resolves to on this backend for activations of this dtype."""
+def xla_min_rows() -> int | None:
+  """From how many rows ``implementation=None`` picks the XLA path on this device (None: never)."""
+  return config_lib.xla_min_rows(_device_kind()) if _gpu_supported() else None
+
+
+def default_implementation(x_dtype, rows: int | None = None) -> str:
+  """What ``implementation=None`` resolves to on this backend for activations of this dtype and row count.
+
+  The fused kernels on a supported GPU, except from the device's measured ``xla_min_rows`` on (training-sized
+  batches, where dequantizing one layer and using XLA's dot is faster); XLA elsewhere.
+  """
   if jnp.dtype(x_dtype) in KERNEL_DTYPES and _gpu_supported():
-    return "pallas"
+    threshold = xla_min_rows()
+    return "xla" if threshold is not None and rows is not None and rows >= threshold else "pallas"
   return "xla"
 
 
@@ -168,15 +178,17 @@ def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor, *, layer=None, implementation: st
       use. The kernels read that layer in place: a `lax.scan` over layers that slices the stack would
       otherwise copy every layer's weight before each matmul.
     implementation: "pallas" (fused Pallas/Triton kernels), "xla" (dequantize then dot), "triton"
-      (reserved for a jax-triton kernel; not built, raises), or None for the fastest one available here.
+      (reserved for a jax-triton kernel; not built, raises), or None for the fastest one available here
+      (the kernels on a supported GPU below the device's measured ``xla_min_rows``, else XLA).
     interpret: run the Pallas kernels in interpret mode (any backend, for tests).
     fwd_config / bwd_config: tile configs; None picks the tuned or heuristic one for the shape.
   Returns:
     y [..., N] in x's dtype. Differentiable in x (the weight is treated as a constant).
   """
   k, n = check_shapes(x.shape, x.dtype, q, layer)
+  m = max(1, int(np.prod(x.shape[:-1])))
   if implementation is None:
-    implementation = "pallas" if interpret else default_implementation(x.dtype)
+    implementation = "pallas" if interpret else default_implementation(x.dtype, m)
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS} or None")
   if implementation == "triton":
@@ -188,7 +200,6 @@ def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor, *, layer=None, implementation: st
     if not interpret and not _gpu_supported():
       raise ValueError("implementation='pallas' needs a CUDA GPU with compute capability >= 8.9 "
                        "(or interpret=True)")
-    m = max(1, int(np.prod(x.shape[:-1])))
     kind = None if interpret else _device_kind()
     if fwd_config is None:
       fwd_config = config_lib.get_config("fwd", m, k, n, kind)

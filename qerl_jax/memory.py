@@ -117,7 +117,7 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
          micro_batch: int = 8, remat: bool = True, *, rollout_batch: int = 0,
          lora_targets: Sequence[str] = PROJ_NAMES, train_norms: bool = True, lora_dtype: Any = np.float32,
          logprob_chunk: int = 256, vocab_chunk: int = 16384, fused_kernel: bool | None = None,
-         update_len: int | None = None) -> Plan:
+         update_len: int | None = None, xla_min_rows: int | None = None) -> Plan:
   """Estimated bytes per device of one GRPO step.
 
   batch: completions per step (prompts x samples); rollout_batch: rows per rollout call (0 = batch).
@@ -125,7 +125,8 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
   micro_batch: completions per update forward/backward. remat: per-layer rematerialization.
   fused_kernel: whether NVFP4 matmuls read the packed weights (default: quant == "nvfp4"); without one the
     XLA path dequantizes one layer's weights at a time. update_len: completion columns the update sees
-    (default max_new_tokens).
+    (default max_new_tokens). xla_min_rows: the device's crossover (`kernels.xla_min_rows()`) from which
+    NVFP4 matmuls take the XLA path even with a fused kernel; update micro-batches that large dequantize too.
   """
   for name, value in (("batch", batch), ("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens),
                       ("lora_rank", lora_rank), ("micro_batch", micro_batch)):
@@ -195,10 +196,14 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
   logprob_buffers = 4 * b * chunk * vc * 4  # logits, exp, and both again in the backward
   batch_bytes = _ceil_div(batch, rows_split) * (prompt_len * 5 + n_cols * (4 + 1 + 4 * 3) + 16)
 
-  if quant != "bf16" and not fused:
+  update_rows = b * seq
+  large = fused and quant == "nvfp4" and xla_min_rows is not None and update_rows >= xla_min_rows
+  if quant != "bf16" and (not fused or large):
     dense = sum(k * n for k, n in shapes.values()) * it
     dequant = 2 * dense // (sizes["fsdp"] * tensor)  # one layer's weights, forward and recompute
-    notes.append("no fused kernel: one layer's weights are dequantized at a time")
+    notes.append("no fused kernel: one layer's weights are dequantized at a time" if not fused else
+                 f"{update_rows} rows per update micro-batch >= xla_min_rows={xla_min_rows}: the matmuls "
+                 "dequantize one layer's weights at a time")
   else:
     dequant = 0
   return Plan(weights=weights, lora=lora, optimizer=optimizer, kv_cache=kv_cache, rollout_work=rollout_work,
@@ -248,9 +253,13 @@ def plan_from_config(config, model_config: ModelConfig, mesh_shape=None) -> Plan
   """`plan` for a trainer config (configs/common.py fields)."""
   c = config
   from qerl_jax.model.linear import resolve_targets  # pylint: disable=import-outside-toplevel
+  fused = c.model.quant == "nvfp4" and jax.default_backend() == "gpu"
+  xla_rows = None
+  if fused:
+    import kernels  # pylint: disable=import-outside-toplevel
+    xla_rows = kernels.xla_min_rows()
   return plan(model_config, c.model.quant, c.train.batch_size, c.data.max_prompt_tokens,
               c.rollout.max_new_tokens, mesh_shape, c.model.lora_rank, c.train.micro_batch_size, c.model.remat,
               rollout_batch=c.rollout.batch_size, lora_targets=resolve_targets(c.model.lora_targets),
               train_norms=c.model.train_norms, logprob_chunk=c.train.logprob_chunk,
-              vocab_chunk=c.train.vocab_chunk, fused_kernel=(c.model.quant == "nvfp4"
-                                                             and jax.default_backend() == "gpu"))
+              vocab_chunk=c.train.vocab_chunk, fused_kernel=fused, xla_min_rows=xla_rows)

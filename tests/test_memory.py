@@ -129,3 +129,18 @@ def test_estimate_against_xla_memory_analysis(request, remat):
   print(f"remat={remat}: planned temporaries {temp_plan} B vs XLA temp {analysis.temp_size_in_bytes} B "
         f"(ratio {ratio:.2f})")
   assert 0.5 <= ratio <= 2.0, (temp_plan, analysis.temp_size_in_bytes)
+
+
+def test_update_batches_past_the_xla_crossover_plan_a_dequantized_layer():
+  # With a fused kernel, micro-batches of at least xla_min_rows rows take the XLA path (one layer's weights
+  # dequantized at a time, forward and recompute); smaller ones do not.
+  cfg = ModelConfig(arch="qwen2", vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=4,
+                    num_heads=4, num_kv_heads=2, head_dim=64, qkv_bias=True, dtype="bfloat16")
+  kw = dict(batch=8, prompt_len=64, max_new_tokens=192, micro_batch=4, fused_kernel=True)
+  rows = 4 * (64 + 192)
+  dense = (256 * 256 + 2 * 256 * 128 + 256 * 256 + 3 * 256 * 512) * 2
+  assert memory.plan(cfg, "nvfp4", **kw).dequant == 0
+  assert memory.plan(cfg, "nvfp4", **kw, xla_min_rows=rows + 1).dequant == 0
+  p = memory.plan(cfg, "nvfp4", **kw, xla_min_rows=rows)
+  assert p.dequant == 2 * dense and any("xla_min_rows" in n for n in p.notes)
+  assert memory.plan(cfg, "bf16", **kw, xla_min_rows=rows).dequant == 0
