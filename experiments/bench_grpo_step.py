@@ -28,6 +28,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join(ROOT, "experiments", "results", "grpo_step.jsonl")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -191,7 +192,8 @@ def main():
   p.add_argument("--memory-analysis", action="store_true",
                  help="also record XLA's memory_analysis() of the rollout, log-prob and update programs")
   p.add_argument("--mesh", default="1,1,1", help="data,fsdp,tensor sizes (-1 = the rest)")
-  p.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "grpo_step.jsonl"))
+  p.add_argument("--out", default=None,
+                 help="JSON lines file (default experiments/results/grpo_step.jsonl; with --smoke, none)")
   p.add_argument("--smoke", action="store_true", help="tiny model and lengths: checks the script runs (CPU)")
   p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--model", help=argparse.SUPPRESS)
@@ -220,9 +222,10 @@ def main():
         continue
       record = records[0]
       rows.append(record)
-      if not args.smoke:  # smoke numbers are not results
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "a") as f:
+      out = args.out or (None if args.smoke else DEFAULT_OUT)  # smoke numbers are not results
+      if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "a") as f:
           f.write(json.dumps(record) + "\n")
   print(f"{'model':12s} {'quant':6s} {'dev':>3s} {'step s':>8s} {'rollout':>8s} {'logprob':>8s} {'update':>8s} "
         f"{'peak GB':>8s} {'plan GB':>8s}")

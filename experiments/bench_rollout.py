@@ -242,7 +242,8 @@ def main():
   p.add_argument("--prompt-len", type=int, default=256)
   p.add_argument("--new-tokens", type=int, default=1024)
   p.add_argument("--reps", type=int, default=3)
-  p.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "rollout.jsonl"))
+  p.add_argument("--out", default=None,
+                 help="JSON lines file (default experiments/results/rollout.jsonl; with --smoke, none)")
   p.add_argument("--variant", default="scan", choices=["scan", "unrolled"],
                  help="layer loop: lax.scan over stacked layers (default) or unrolled (experiment)")
   p.add_argument("--xla-flag-sets", default="", metavar="SETS",
@@ -258,6 +259,8 @@ def main():
     for record in (run_hf(args) if args.quant == "hf-bf16" else run_one(args)):
       print("RECORD " + json.dumps(record), flush=True)
     return
+  if args.out is None and not args.smoke:  # smoke numbers are not results
+    args.out = os.path.join(ROOT, "experiments", "results", "rollout.jsonl")
   if args.smoke:
     args.models, args.batches, args.new_tokens, args.prompt_len, args.reps = ["smoke"], [2], 8, 16, 1
     args.quants = [q for q in args.quants if q != "hf-bf16"]
@@ -278,9 +281,10 @@ def main():
       record = json.loads(line[len("RECORD "):])
       record["commit"] = commit()
       rows.append(record)
-      os.makedirs(os.path.dirname(args.out), exist_ok=True)
-      with open(args.out, "a") as f:
-        f.write(json.dumps(record) + "\n")
+      if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "a") as f:
+          f.write(json.dumps(record) + "\n")
       print(f"{args.variant:8s} {model:12s} {quant:8s} b{record['batch']:<3d} {record['tokens_per_s']:9.1f} tok/s "
             f"{record['ms_per_step']:7.2f} ms/step peak {record['peak_gb']:6.1f} GB {flags}", flush=True)
     if proc.wait():
