@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -18,8 +20,9 @@ def _lines(path):
     return [json.loads(line) for line in f]
 
 
-def test_bench_kernels_times_tile_gemv_and_xla_paths_after_checking_them(tmp_path):
+def test_bench_kernels_times_tile_gemv_and_xla_paths_after_checking_them(tmp_path, monkeypatch):
   from experiments import bench_kernels
+  monkeypatch.setattr(bench_kernels, "GEMV_CANDIDATES", bench_kernels.GEMV_CANDIDATES[:1])  # interpret mode is slow
   out = tmp_path / "kernels.jsonl"
   # 8 rows: the tile kernel's default forward, every gemv candidate (<= 16 rows) and the XLA path.
   bench_kernels.main(["--interpret", "--models", "tiny", "--layers", "down", "--rows", "8",
@@ -56,6 +59,8 @@ def _run(script, tmp_path, name):
   return _lines(out)
 
 
+# The two subprocess smoke runs take ~55 s together: run by hand (`pytest -m slow tests/test_benchmarks.py`).
+@pytest.mark.slow
 def test_bench_rollout_smoke_writes_one_line_per_quant(tmp_path):
   records = _run("bench_rollout.py", tmp_path, "rollout")
   assert sorted(r["quant"] for r in records) == ["bf16", "nvfp4"]
@@ -65,6 +70,7 @@ def test_bench_rollout_smoke_writes_one_line_per_quant(tmp_path):
     assert r["commit"] == "test" and r["tokens_per_s"] > 0 and r["batch"] == 2
 
 
+@pytest.mark.slow
 def test_bench_grpo_step_smoke_writes_the_phase_split(tmp_path):
   records = _run("bench_grpo_step.py", tmp_path, "grpo")
   assert sorted(r["quant"] for r in records) == ["bf16", "nvfp4"]

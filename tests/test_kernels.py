@@ -303,16 +303,21 @@ def test_halves_decoder_falls_back_where_a_half_tile_would_be_under_16_columns()
     Nvfp4MatmulConfig(dequant="nibbles")
 
 
-def test_halves_decoder_through_dispatch_and_grad(request):
+@pytest.mark.parametrize("fwd_config,bwd_config", [
+  # The "halves" decoder both ways; the gemv engine forward (15 rows <= GEMV_MAX_ROWS), the tile kernel back.
+  (Nvfp4MatmulConfig(block_m=16, block_n=16, block_k=64, dequant="halves"),
+   Nvfp4MatmulConfig(block_m=16, block_n=16, block_k=64, dequant="halves")),
+  (Nvfp4MatmulConfig(block_n=32, block_k=32, engine="gemv"), None),
+], ids=["halves", "gemv"])
+def test_decoders_and_engines_through_dispatch_and_grad(request, fwd_config, bwd_config):
   rng = _rng(request)
   k, n = 128, 40
   q = _random_q(rng, k, n)
   x = jnp.asarray(rng.standard_normal((3, 5, k)), jnp.bfloat16)
-  halves = Nvfp4MatmulConfig(block_m=16, block_n=16, block_k=64, dequant="halves")
-  y = kernels.nvfp4_matmul(x, q, interpret=True, fwd_config=halves, bwd_config=halves)
+  f = lambda x: kernels.nvfp4_matmul(x, q, interpret=True, fwd_config=fwd_config, bwd_config=bwd_config)
+  y, vjp = jax.vjp(f, x)
   _assert_close(y.reshape(15, n), x.reshape(15, k), _dequant_np(q), jnp.bfloat16)
   dy = jnp.asarray(rng.standard_normal((3, 5, n)), jnp.bfloat16)
-  _, vjp = jax.vjp(lambda x: kernels.nvfp4_matmul(x, q, interpret=True, fwd_config=halves, bwd_config=halves), x)
   (dx,) = vjp(dy)
   _assert_close(dx.reshape(15, k), dy.reshape(15, n), _dequant_np(q).T, jnp.bfloat16)
 
@@ -324,21 +329,6 @@ def test_gemv_engine_applies_to_few_row_forwards_only():
   assert config_lib.fit(gemv, "bwd", 1, 128, 64).engine == "tensorcore"
   with pytest.raises(ValueError, match="engine='simt' must be one of"):
     Nvfp4MatmulConfig(engine="simt")
-
-
-def test_gemv_engine_through_dispatch_and_grad(request):
-  # Decode-sized batches ([2, 3] rows) take the gemv forward; the gradient still runs the tile kernel.
-  rng = _rng(request)
-  k, n = 96, 72
-  q = _random_q(rng, k, n)
-  x = jnp.asarray(rng.standard_normal((2, 3, k)), jnp.bfloat16)
-  gemv = Nvfp4MatmulConfig(block_n=32, block_k=32, engine="gemv")
-  f = lambda x: kernels.nvfp4_matmul(x, q, interpret=True, fwd_config=gemv)
-  y, vjp = jax.vjp(f, x)
-  _assert_close(y.reshape(6, n), x.reshape(6, k), _dequant_np(q), jnp.bfloat16)
-  dy = jnp.asarray(rng.standard_normal((2, 3, n)), jnp.bfloat16)
-  (dx,) = vjp(dy)
-  _assert_close(dx.reshape(6, k), dy.reshape(6, n), _dequant_np(q).T, jnp.bfloat16)
 
 
 def _stack(qs):
