@@ -319,8 +319,20 @@ def _main_kernel():
     np.testing.assert_allclose(np.asarray(g, np.float64), g_ref, atol=2e-2 * np.abs(g_ref).max())
     out[rows] = "shard_map" in text
   plain = str(jax.make_jaxpr(lambda x: kernels.nvfp4_matmul(x, q, interpret=True))(jnp.zeros((8, 64), jnp.bfloat16)))
+  # A stacked weight with a layer index (the model's layer scan): under the mesh, one layer is taken out of
+  # the stack and gathered, then mapped over the rows like a single weight.
+  q2 = quant.quantize(jnp.asarray(rng.standard_normal((64, 48)), jnp.float32), "nvfp4")
+  stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), q, q2)
+  x = jnp.asarray(rng.standard_normal((8, 64)), jnp.bfloat16)
+  y_ref = np.asarray(x, np.float64) @ np.asarray(quant.dequantize(q2, jnp.float32), np.float64)
+  with sharding.mesh_context(mesh):
+    xs = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"))))
+    f = lambda x, layer: kernels.nvfp4_matmul(x, stacked, layer=layer, interpret=True)
+    text = str(jax.make_jaxpr(f)(xs, jnp.int32(1)))
+    y = jax.jit(f)(xs, jnp.int32(1))
+  np.testing.assert_allclose(np.asarray(y, np.float64), y_ref, atol=2e-2 * np.abs(y_ref).max())
   print(json.dumps({"devices": jax.device_count(), "mapped_8_rows": out[8], "mapped_6_rows": out[6],
-                    "mapped_without_mesh": "shard_map" in plain}))
+                    "mapped_without_mesh": "shard_map" in plain, "mapped_stacked": "shard_map" in text}))
 
 
 if __name__ == "__main__":
@@ -347,7 +359,8 @@ def _run_on_8_devices(*args, timeout=300):
 def test_fused_kernel_maps_over_rows_under_a_mesh():
   proc = _run_on_8_devices(os.path.abspath(__file__), "kernel")
   result = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert result == {"devices": 8, "mapped_8_rows": True, "mapped_6_rows": False, "mapped_without_mesh": False}
+  assert result == {"devices": 8, "mapped_8_rows": True, "mapped_6_rows": False, "mapped_without_mesh": False,
+                    "mapped_stacked": True}
 
 
 def test_trainer_runs_on_a_data_fsdp_tensor_mesh(tmp_path):
