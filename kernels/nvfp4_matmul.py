@@ -49,6 +49,9 @@ def check_shapes(x_shape, x_dtype, q: NVFP4Tensor, layer=None) -> tuple[int, int
     raise ValueError(f"{q.scale_NxKb.shape=} must be {(*lead, n, k // NVFP4_BLOCK)} for {q.packed_NxKh.shape=}")
   if layer is not None and (jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer)):
     raise ValueError(f"layer must be an integer scalar, got {layer!r}")
+  if isinstance(layer, (int, np.integer)) and not 0 <= layer < lead[0]:
+    # The kernels read the stack at layer * N unchecked; a traced index is the caller's (the model's scan) to keep.
+    raise ValueError(f"layer={layer} is outside the stack of {lead[0]} weights")
   if q.packed_NxKh.dtype != jnp.uint8:
     raise ValueError(f"{q.packed_NxKh.dtype=} must be uint8")
   if q.scale_NxKb.dtype != jnp.float8_e4m3fn:

@@ -372,6 +372,8 @@ def test_stacked_weights_need_a_layer_and_one_weight_takes_none(request):
     kernels.nvfp4_matmul(x, q, layer=0, interpret=True)
   with pytest.raises(ValueError, match="must be 2-D"):
     kernels.nvfp4_matmul(x, _stack([q, q]), interpret=True)
+  with pytest.raises(ValueError, match="layer=2 is outside the stack of 2 weights"):
+    kernels.nvfp4_matmul(x, _stack([q, q]), layer=2, interpret=True)
   with pytest.raises(ValueError, match="layer must be an integer scalar"):
     kernels.nvfp4_matmul(x, _stack([q, q]), layer=jnp.zeros(2, jnp.int32), interpret=True)
   # The XLA fallback takes the same stacked call (it slices the layer, as it must to dequantize).
