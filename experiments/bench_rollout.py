@@ -3,6 +3,7 @@
     python experiments/bench_rollout.py --models qwen2.5-7b --batches 1 8 64       # on the GPU
     python experiments/bench_rollout.py --smoke                                    # tiny, any machine
     python experiments/bench_rollout.py --xla-flag-sets "|--xla_gpu_enable_command_buffer=..."   # A/B flags
+    python experiments/bench_rollout.py --decode-attention pallas   # attention kernel on the stacked cache
 
 Each (model, quant, batch) runs in its own subprocess so that peak device memory is that run's alone.
 Prompt 256 tokens, `--new-tokens` (1024) sampled at temperature 1 with stop tokens ignored, LoRA rank 16
@@ -128,7 +129,7 @@ def run_one(args):
   from qerl_jax.rollout.engine import rollout
   from qerl_jax.rollout.sampling import SamplingParams
 
-  config = model_config(args.model)
+  config = model_config(args.model).replace(decode_attention=args.decode_attention)
   if args.variant == "unrolled":  # experiment: does the scan's per-layer dynamic slice cost a weight copy?
     # Replaces jax.lax.scan for this whole (single-run) subprocess; the only scan in a rollout is the model's
     # layer loop, so no other code is affected.
@@ -180,6 +181,7 @@ def _time_rollout(args, config, graphdef, state, weight_bytes, bw, batch):
               peak_gb=stats.get("peak_bytes_in_use", 0) / 1e9, weight_gb=weight_bytes / 1e9,
               floor_ms_per_step=floor_ms, copy_gbps=bw / 1e9, lora_rank=16, reps=args.reps,
               device=jax.devices()[0].device_kind, jax=jax.__version__, variant=args.variant,
+              decode_attention=args.decode_attention,
               xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
@@ -246,6 +248,9 @@ def main():
                  help="JSON lines file (default experiments/results/rollout.jsonl; with --smoke, none)")
   p.add_argument("--variant", default="scan", choices=["scan", "unrolled"],
                  help="layer loop: lax.scan over stacked layers (default) or unrolled (experiment)")
+  p.add_argument("--decode-attention", default="xla", choices=["xla", "pallas"],
+                 help="one-token attention: XLA over the layer's cache slice, or the Pallas kernel that reads "
+                      "the stacked cache in place (kernels/decode_attention.py)")
   p.add_argument("--xla-flag-sets", default="", metavar="SETS",
                  help="'|'-separated sets of XLA flags, one run of everything per set, each added to XLA_FLAGS "
                       "and recorded as xla_flags; e.g. '|--xla_gpu_enable_command_buffer=FUSION,CUBLAS,WHILE' "
@@ -273,7 +278,8 @@ def main():
     env = dict(base_env, XLA_FLAGS=" ".join(f for f in (base_env.get("XLA_FLAGS", ""), flags) if f))
     cmd = [sys.executable, os.path.abspath(__file__), "--one", "--model", model, "--quant", quant,
            "--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len), "--new-tokens",
-           str(args.new_tokens), "--reps", str(args.reps), "--variant", args.variant]
+           str(args.new_tokens), "--reps", str(args.reps), "--variant", args.variant,
+           "--decode-attention", args.decode_attention]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:  # records arrive as each batch finishes, so a time-out keeps what ran
       if not line.startswith("RECORD "):

@@ -265,3 +265,34 @@ def test_nvfp4_layers_reach_the_kernels_whole_and_give_the_xla_logits(monkeypatc
   assert not sliced, f"packed NVFP4 bytes were sliced out of the stack: {sliced}"
   # The kernels' packed operands are both layers' rows: gate/up [2 x 96, 64 / 2], down [2 x 64, 96 / 2].
   assert "u8[192,32]" in jaxpr and "u8[128,48]" in jaxpr
+
+
+def test_pallas_decode_attention_gives_the_xla_decode_logits(model_and_seed):
+  # The same weights with decode_attention="pallas": one-token steps read the stacked cache in place
+  # (kernels.decode_attention, interpret mode here); prefill and logits match the XLA path.
+  model, seed = model_and_seed
+  config = model.config
+  kernel_model = Transformer(config.replace(decode_attention="pallas"), model.params(), lora=model.lora)
+  rng = np.random.default_rng(seed)
+  prompt_len, steps = 7, 3
+  prompt = jnp.asarray(rng.integers(0, config.vocab_size, (2, prompt_len)), jnp.int32)
+  valid = np.ones((2, prompt_len + steps), bool)
+  valid[1, :2] = False  # row 1 left-padded
+  valid = jnp.asarray(valid)
+  positions = jnp.asarray(np.maximum(np.cumsum(np.asarray(valid)[:, :prompt_len], axis=1) - 1, 0))
+  _, state = nnx.split(model)
+  outs = []
+  for m in (model, kernel_model):
+    graphdef = nnx.split(m)[0]  # the same weights (state) in both graphs
+    cache = init_cache(config, 2, prompt_len + steps, jnp.float32)
+    _, cache = _step(graphdef, state, prompt, positions, cache, 0, valid)
+    step_logits = []
+    for i in range(steps):
+      tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 1)), jnp.int32) * 0 + i + 1
+      pos = positions[:, -1:] + i + 1
+      logits, cache = _step(graphdef, state, tokens, pos, cache, jnp.int32(prompt_len + i), valid)
+      step_logits.append(np.asarray(logits))
+    outs.append(np.stack(step_logits))
+  np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=1e-4, err_msg=f"{seed=}")
+  with pytest.raises(ValueError, match="decode_attention='flash' must be"):
+    config.replace(decode_attention="flash")

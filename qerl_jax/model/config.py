@@ -56,6 +56,9 @@ class ModelConfig:
   remat_policy: str = "nothing_saveable"  # a name in jax.checkpoint_policies
   # Queries per attention block for long sequences (0: all at once); see attention.attend.
   attn_query_chunk: int = 1024
+  # One-token decode steps: "xla" (attention.attend over the layer's slice of the cache) or "pallas"
+  # (kernels.decode_attention reads the layer of the stacked cache in place; interpret mode off the GPU).
+  decode_attention: str = "xla"
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None
@@ -76,6 +79,8 @@ class ModelConfig:
       raise ValueError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+    if self.decode_attention not in ("xla", "pallas"):
+      raise ValueError(f"decode_attention={self.decode_attention!r} must be 'xla' or 'pallas'")
     rope_type = self.rope_scaling_dict.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
       raise ValueError(f"unsupported {rope_type=}; supported: {SUPPORTED_ROPE_TYPES}")

@@ -69,19 +69,24 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
     k = attn.rms_norm(k, p["k_norm"], eps, noise.get("k_norm"))
   q, k = attn.apply_rope(q, cos, sin), attn.apply_rope(k, cos, sin)
   if kv is None:
-    k_all, v_all = k, v
+    o = attn.attend(q, k, v, mask_BxTxS, config.attn_query_chunk)
   else:
     k_cache, v_cache = kv
     start = (layer, 0, cache_index, 0, 0)
     k_cache = jax.lax.dynamic_update_slice(k_cache, k[None].astype(k_cache.dtype), start)
     v_cache = jax.lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), start)
-    k_all = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
-    v_all = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
-    # The mask's slot count: all of the cache, or (static cache_index, e.g. a prefill) the slots these
-    # queries can see at all, so a prefill attends over the prompt, not the whole response budget.
-    k_all, v_all = k_all[:, :mask_BxTxS.shape[-1]], v_all[:, :mask_BxTxS.shape[-1]]
     kv = (k_cache, v_cache)
-  o = attn.attend(q, k_all, v_all, mask_BxTxS, config.attn_query_chunk)
+    if t == 1 and config.decode_attention == "pallas":  # reads this layer of the stacked cache in place
+      from kernels.decode_attention import decode_attention  # pylint: disable=import-outside-toplevel
+      o = decode_attention(q[:, 0], k_cache, v_cache, layer, mask_BxTxS[:, 0],
+                           interpret=jax.default_backend() != "gpu")[:, None]
+    else:
+      k_all = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
+      v_all = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
+      # The mask's slot count: all of the cache, or (static cache_index, e.g. a prefill) the slots these
+      # queries can see at all, so a prefill attends over the prompt, not the whole response budget.
+      k_all, v_all = k_all[:, :mask_BxTxS.shape[-1]], v_all[:, :mask_BxTxS.shape[-1]]
+      o = attn.attend(q, k_all, v_all, mask_BxTxS, config.attn_query_chunk)
   x_BxTxD = x_BxTxD + linear(o, p["o_proj"], lora_scale)
   h = attn.rms_norm(x_BxTxD, p["post_attention_layernorm"], eps, noise.get("post_attention_layernorm"))
   g = linear(h, p["gate_proj"], lora_scale).astype(jnp.float32)

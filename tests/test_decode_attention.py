@@ -1,0 +1,52 @@
+"""The decode-attention kernel (Pallas interpret mode) against the model's XLA attention on the same layer."""
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.decode_attention import decode_attention
+from qerl_jax.model import attention as attn
+
+
+def _case(name, num_layers, b, h, kvh, d, cache_len, seq):
+  rng = np.random.default_rng(zlib.crc32(name.encode()))
+  q = jnp.asarray(rng.standard_normal((b, h, d)), jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((num_layers, b, cache_len, kvh, d)), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((num_layers, b, cache_len, kvh, d)), jnp.bfloat16)
+  # Left padding of random length per row, then visible slots up to each row's own query slot.
+  mask = np.zeros((b, seq), bool)
+  for row in range(b):
+    start, end = rng.integers(0, seq // 2), rng.integers(seq // 2, seq)
+    mask[row, start:end + 1] = True
+  return q, k, v, jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("num_layers,b,h,kvh,d,cache_len,seq,block_s,splits", [
+  (3, 2, 28, 4, 64, 200, 200, 64, None),  # Qwen2.5-7B's 7 heads per kv head; ragged slots, auto splits
+  (2, 3, 8, 8, 32, 96, 70, 16, 2),  # no grouping; only the first 70 of 96 cached slots are read
+  (2, 1, 32, 2, 128, 48, 48, 32, 1),  # 16 heads per kv head, one split
+])
+def test_decode_attention_matches_the_models_attention(request, num_layers, b, h, kvh, d, cache_len, seq,
+                                                       block_s, splits):
+  q, k, v, mask = _case(request.node.name, num_layers, b, h, kvh, d, cache_len, seq)
+  for layer in range(num_layers):
+    got = decode_attention(q, k, v, jnp.int32(layer), mask, block_s=block_s, splits=splits, interpret=True)
+    want = attn.attend(q[:, None], k[layer, :, :seq], v[layer, :, :seq], mask[:, None, :])[:, 0]
+    assert got.shape == (b, h * d) and got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+  other = decode_attention(q, k, v, jnp.int32(0), mask, block_s=block_s, splits=splits, interpret=True)
+  assert np.abs(np.asarray(other, np.float32) - np.asarray(got, np.float32)).max() > 0.1  # layers differ
+
+
+def test_decode_attention_rejects_shapes_that_do_not_fit():
+  q = jnp.zeros((2, 8, 32), jnp.bfloat16)
+  k = jnp.zeros((2, 2, 40, 4, 32), jnp.bfloat16)
+  with pytest.raises(ValueError, match="do not fit together"):
+    decode_attention(q, k, k, 0, jnp.ones((2, 41), bool), interpret=True)  # more slots than cached
+  with pytest.raises(ValueError, match="do not fit together"):
+    decode_attention(q[:1], k, k, 0, jnp.ones((1, 40), bool), interpret=True)  # batch mismatch
+  with pytest.raises(ValueError, match="must be powers of two"):
+    decode_attention(q, k, k, 0, jnp.ones((2, 40), bool), block_s=24, interpret=True)
