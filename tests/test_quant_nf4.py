@@ -60,7 +60,10 @@ def test_double_quant_against_bitsandbytes():
   _, st_plain = bnbf.quantize_4bit(wt, quant_type="nf4", blocksize=64)
   q = quant.quantize(jnp.asarray(w).T, "nf4", double_quant=True)
   np.testing.assert_array_equal(np.asarray(q.packed), packed_ref.numpy().reshape(-1))
-  np.testing.assert_allclose(float(q.absmax_offset), st.offset.item(), rtol=2e-7, err_msg=f"{seed=}")
+  # The offset is a float32 mean of 480 positive values summed in each backend's order: the orders differ, so
+  # a few units in the last place (~sqrt(480) * 2**-24 = 1.3e-6 typical) separate them; 2e-7 failed at seed
+  # 3962527409 (2.2e-7). The bit-exact checks below feed bitsandbytes' own offset.
+  np.testing.assert_allclose(float(q.absmax_offset), st.offset.item(), rtol=2e-6, err_msg=f"{seed=}")
   # Same offset in, same second-level absmax out, bit for bit.
   codes, absmax2, _ = nf4.quantize_absmax_8bit(jnp.asarray(st_plain.absmax.numpy()),
                                                jnp.asarray(st.offset.numpy()))
