@@ -158,14 +158,11 @@ def _nvfp4_matmul_jit(x, q, layer, *, implementation, interpret, fwd_config, bwd
   if implementation == "xla":
     return nvfp4_matmul_reference(x, q)
   k, n = q.shape
-  lead = x.shape[:-1]
-  if layer is not None:
-    y_MxN = _pallas_matmul_2d(x.reshape(-1, k), q, layer, fwd_config, bwd_config, interpret)
-  else:
-    y_MxN = _rows_over_mesh(
-        lambda x_MxK, q: _pallas_matmul_2d(x_MxK, q, jnp.int32(0), fwd_config, bwd_config, interpret),
-        x.reshape(-1, k), q)
-  return y_MxN.reshape(*lead, n)
+  layer = jnp.int32(0) if layer is None else layer  # one weight is a stack of one
+  # (A stacked q only reaches here without a mesh, where _rows_over_mesh calls the kernel directly.)
+  y_MxN = _rows_over_mesh(lambda x_MxK, q: _pallas_matmul_2d(x_MxK, q, layer, fwd_config, bwd_config, interpret),
+                          x.reshape(-1, k), q)
+  return y_MxN.reshape(*x.shape[:-1], n)
 
 
 def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor, *, layer=None, implementation: str | None = None,
@@ -189,7 +186,7 @@ def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor, *, layer=None, implementation: st
     y [..., N] in x's dtype. Differentiable in x (the weight is treated as a constant).
   """
   k, n = check_shapes(x.shape, x.dtype, q, layer)
-  m = max(1, int(np.prod(x.shape[:-1])))
+  m = int(np.prod(x.shape[:-1]))
   if implementation is None:
     implementation = "pallas" if interpret else default_implementation(x.dtype, m)
   if implementation not in IMPLEMENTATIONS:
@@ -203,6 +200,8 @@ def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor, *, layer=None, implementation: st
     if not interpret and not _gpu_supported():
       raise ValueError("implementation='pallas' needs a CUDA GPU with compute capability >= 8.9 "
                        "(or interpret=True)")
+    if m == 0 or n == 0:  # no launch for an empty product
+      return jnp.zeros((*x.shape[:-1], n), x.dtype)
     kind = None if interpret else _device_kind()
     if fwd_config is None:
       fwd_config = config_lib.get_config("fwd", m, k, n, kind)
@@ -212,7 +211,5 @@ def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor, *, layer=None, implementation: st
       bwd_config = config_lib.get_config("bwd", m, k, n, kind)
     else:
       bwd_config = config_lib.fit(bwd_config, "bwd", m, k, n)
-    if m == 0 or n == 0:
-      return jnp.zeros((*x.shape[:-1], n), x.dtype)
   return _nvfp4_matmul_jit(x, q, layer, implementation=implementation, interpret=interpret,
                            fwd_config=fwd_config, bwd_config=bwd_config)

@@ -376,6 +376,8 @@ def test_stacked_weights_need_a_layer_and_one_weight_takes_none(request):
     kernels.nvfp4_matmul(x, _stack([q, q]), layer=2, interpret=True)
   with pytest.raises(ValueError, match="layer must be an integer scalar"):
     kernels.nvfp4_matmul(x, _stack([q, q]), layer=jnp.zeros(2, jnp.int32), interpret=True)
+  # An empty batch launches nothing and gives an empty product.
+  assert kernels.nvfp4_matmul(jnp.zeros((0, 32), jnp.bfloat16), q, interpret=True).shape == (0, 16)
   # The XLA fallback takes the same stacked call (it slices the layer, as it must to dequantize).
   two = _stack([q, _random_q(rng, 32, 16)])
   np.testing.assert_array_equal(np.asarray(kernels.nvfp4_matmul(x, two, layer=1, implementation="xla")),

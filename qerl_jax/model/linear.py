@@ -91,7 +91,7 @@ def resolve_targets(spec: str | Sequence[str]) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class LayerOf:
-  """Layer ``layer`` (an int32 scalar, e.g. a scan's index) of a stacked frozen weight [L, ...].
+  """Layer ``layer`` (an int32 scalar, e.g. a scan's index) of a stacked frozen NVFP4 weight [L, ...].
 
   A `lax.scan` that slices stacked weights makes XLA copy each layer's slice before its matmul (measured on
   an H200: 2.7x the time of unsliced weights for a decode-sized bf16 MLP pass, experiments/RESULTS.md). The
@@ -105,22 +105,16 @@ class LayerOf:
 def base_matmul(x_BxTxK: jax.Array, w: Any) -> jax.Array:
   """x @ W for a frozen base weight of logical shape [K, N]; x may have any leading dims.
 
-  w: a float array [K, N] (cast to x's dtype), a quantized tensor, or a `LayerOf` one of a stack. NVFP4
-  goes to the fused kernel when available (which reads a `LayerOf` in place); other schemes are
-  dequantized to x's dtype and multiplied. Accumulation is float32.
+  w: a float array [K, N] (cast to x's dtype), a quantized tensor, or a `LayerOf` NVFP4 stack. NVFP4 goes
+  to the fused kernel when available (which reads a `LayerOf` in place); other schemes are dequantized to
+  x's dtype and multiplied. Accumulation is float32.
   """
-  layer = None
-  if isinstance(w, LayerOf):
-    layer = w.layer
-    if not isinstance(w.stacked, qtypes.NVFP4Tensor):
-      w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), w.stacked)
-      layer = None
-    else:
-      w = w.stacked
-  if isinstance(w, qtypes.NVFP4Tensor):
+  if isinstance(w, (LayerOf, qtypes.NVFP4Tensor)):
     # The project's top-level kernels/ package; it falls back to XLA itself where no kernel runs.
     from kernels import nvfp4_matmul  # pylint: disable=import-outside-toplevel
-    return nvfp4_matmul(x_BxTxK, w, layer=layer)
+    if isinstance(w, LayerOf):
+      return nvfp4_matmul(x_BxTxK, w.stacked, layer=w.layer)
+    return nvfp4_matmul(x_BxTxK, w)
   if qtypes.is_quantized(w):
     from qerl_jax.quant import dequantize  # pylint: disable=import-outside-toplevel
     w = dequantize(w, x_BxTxK.dtype)
