@@ -126,7 +126,8 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
   fused_kernel: whether NVFP4 matmuls read the packed weights (default: quant == "nvfp4"); without one the
     XLA path dequantizes one layer's weights at a time. update_len: completion columns the update sees
     (default max_new_tokens). xla_min_rows: the device's crossover (`kernels.xla_min_rows()`) from which
-    NVFP4 matmuls take the XLA path even with a fused kernel; update micro-batches that large dequantize too.
+    NVFP4 matmuls take the XLA path even with a fused kernel; an update micro-batch or prefill that large
+    dequantizes one layer at a time.
   """
   for name, value in (("batch", batch), ("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens),
                       ("lora_rank", lora_rank), ("micro_batch", micro_batch)):
@@ -196,14 +197,15 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
   logprob_buffers = 4 * b * chunk * vc * 4  # logits, exp, and both again in the backward
   batch_bytes = _ceil_div(batch, rows_split) * (prompt_len * 5 + n_cols * (4 + 1 + 4 * 3) + 16)
 
-  update_rows = b * seq
-  large = fused and quant == "nvfp4" and xla_min_rows is not None and update_rows >= xla_min_rows
+  # The largest matmul batches: an update micro-batch, or a rollout's prefill.
+  most_rows = max(b * seq, r_rows * prompt_len)
+  large = fused and quant == "nvfp4" and xla_min_rows is not None and most_rows >= xla_min_rows
   if quant != "bf16" and (not fused or large):
     dense = sum(k * n for k, n in shapes.values()) * it
     dequant = 2 * dense // (sizes["fsdp"] * tensor)  # one layer's weights, forward and recompute
     notes.append("no fused kernel: one layer's weights are dequantized at a time" if not fused else
-                 f"{update_rows} rows per update micro-batch >= xla_min_rows={xla_min_rows}: the matmuls "
-                 "dequantize one layer's weights at a time")
+                 f"matmuls of {most_rows} rows >= xla_min_rows={xla_min_rows} dequantize one layer's weights "
+                 "at a time")
   else:
     dequant = 0
   return Plan(weights=weights, lora=lora, optimizer=optimizer, kv_cache=kv_cache, rollout_work=rollout_work,
