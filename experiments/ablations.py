@@ -49,6 +49,7 @@ if __package__ in (None, ""):  # `python experiments/ablations.py`: make the rep
 
 from configs import common  # noqa: E402
 from configs import smollm2_135m  # noqa: E402
+from experiments import provenance  # noqa: E402
 
 Override = tuple[str, Any]
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ablations")
@@ -152,18 +153,6 @@ def variant_config(study: str, variant: str, seed: int, *, smoke: bool, steps: i
   return c
 
 
-def git_commit() -> str:
-  """The repository's HEAD (with "-dirty" when tracked files differ), or "unknown" outside a checkout."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  try:
-    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
-                          text=True, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "qerl_jax", "configs"], cwd=root).returncode
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
-  return head + ("-dirty" if dirty else "")
-
-
 def _replace_run_lines(out: str, study: str, variant: str, seed: int, rows: list[dict]) -> None:
   """Rewrites `out` without this (study, variant, seed)'s old lines, then appends its new ones."""
   kept = []
@@ -216,7 +205,7 @@ def train_run(study: str, variant: str, seed: int, *, workdir: str, smoke: bool,
 
   config = variant_config(study, variant, seed, smoke=smoke, steps=steps, preset=preset)
   last = train_and_evaluate(config, workdir)
-  tag = {"study": study, "variant": variant, "seed": seed, "commit": commit or git_commit(),
+  tag = {"study": study, "variant": variant, "seed": seed, "commit": commit or provenance.commit(),
          "smoke": smoke, "preset": preset, "quant": config.model.quant}
   rows = [{**tag, **row} for row in read_metrics(os.path.join(workdir, METRICS_FILE))]
   if not rows:
@@ -289,7 +278,7 @@ def run_jobs(jobs: Sequence[Job], *, outs: dict[str, str], workdir_root: str, sm
   """
   if parallel <= 0:
     raise ValueError(f"{parallel=} must be > 0")
-  commit = git_commit()
+  commit = provenance.commit()
   multi = len({s for job in jobs for s, _ in job.names}) > 1
   start = time.monotonic()
   run_steps = steps or (SMOKE_STEPS if smoke else smollm2_135m.get_config().train.steps)

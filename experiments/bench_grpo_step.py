@@ -32,7 +32,8 @@ DEFAULT_OUT = os.path.join(ROOT, "experiments", "results", "grpo_step.jsonl")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_rollout import QWEN25, _filler, commit, model_config, synthetic_base  # noqa: E402
+from bench_rollout import QWEN25, _filler, model_config, synthetic_base  # noqa: E402
+from experiments.provenance import commit  # noqa: E402
 
 
 def sharded_synthetic_base(config, quant: str, mesh, seed: int = 0):

@@ -19,7 +19,6 @@ import functools
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
@@ -27,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import provenance
+from experiments.bench_rollout import copy_bandwidth
 from kernels import config as config_lib
 from kernels.config import Nvfp4MatmulConfig
 from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
@@ -80,16 +81,6 @@ GEMV_CANDIDATES = [_C(block_n=bn, block_k=bk, num_warps=w, num_stages=st, engine
                                          (16, 512, 4, 3), (64, 256, 8, 3), (128, 128, 8, 2)]]
 
 
-def _commit() -> str:
-  if os.environ.get("QERL_COMMIT"):
-    return os.environ["QERL_COMMIT"]
-  try:
-    return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                   stderr=subprocess.DEVNULL).strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
-
-
 def _time_loop(op, x, ws, min_ms: float = 5.0, reps: int = 5) -> float:
   """Median microseconds of one op(x, w) call, timed inside a jitted loop over the weight copies ws."""
   zero = jnp.zeros((), jnp.float32)
@@ -115,20 +106,6 @@ def _time_loop(op, x, ws, min_ms: float = 5.0, reps: int = 5) -> float:
     jax.block_until_ready(run(x, ws, passes, zero))
     times.append(time.perf_counter() - t0)
   return float(np.median(times)) / (passes * len(ws)) * 1e6
-
-
-def copy_bandwidth() -> float:
-  """Device-to-device bytes per second (read + write) of a 2 GiB elementwise copy."""
-  x = jnp.ones((2**28,), jnp.float32) + 0
-  zero = jnp.zeros((), jnp.float32)
-  f = jax.jit(lambda a, z: a + z)
-  jax.block_until_ready(f(x, zero))
-  ts = []
-  for _ in range(10):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(x, zero))
-    ts.append(time.perf_counter() - t0)
-  return 2 * x.nbytes / float(np.median(ts))
 
 
 def _random_weights(key, k, n, copies):
@@ -306,8 +283,8 @@ def main(argv=None):
 
   dev = jax.devices()[0]
   device = dev.device_kind
-  commit = _commit()
-  bw = copy_bandwidth()
+  commit = provenance.commit()
+  bw = copy_bandwidth(2.0)
   print(f"device={device} commit={commit} copy_bandwidth={bw / 1e12:.3f} TB/s", flush=True)
   key = jax.random.key(0)
   records, swept, bf16_cache = [], [], {}

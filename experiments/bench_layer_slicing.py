@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench_kernels import _commit, copy_bandwidth
+from experiments.bench_rollout import copy_bandwidth
+from experiments.provenance import commit
 from qerl_jax import quant
 
 
@@ -105,7 +106,7 @@ def main(argv=None):
   p.add_argument("--out", default="experiments/results/layer_slicing.jsonl")
   args = p.parse_args(argv)
   device = jax.devices()[0].device_kind
-  bw = copy_bandwidth()
+  bw = copy_bandwidth(2.0)
   flags = os.environ.get("XLA_FLAGS", "")
   print(f"device={device} copy_bandwidth={bw / 1e12:.3f} TB/s XLA_FLAGS={flags!r}", flush=True)
   key = jax.random.key(0)
@@ -127,7 +128,7 @@ def main(argv=None):
           del u_list, d_list
         rec = dict(format=fmt, rows=rows, form=form, layers=args.layers, k=args.k, n=args.n,
                    us_per_pass=round(s * 1e6, 1), floor_us=round(nbytes / bw * 1e6, 1),
-                   floor_frac=round(nbytes / bw / s, 3), hlo=counts, xla_flags=flags, commit=_commit(),
+                   floor_frac=round(nbytes / bw / s, 3), hlo=counts, xla_flags=flags, commit=commit(),
                    device=device)
         print(json.dumps(rec), flush=True)
         rows_out.append(rec)

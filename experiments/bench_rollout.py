@@ -26,6 +26,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from experiments.provenance import commit  # noqa: E402  (after the path: run as a script too)
+
 # Qwen2.5-*-Instruct shapes (config.json of the hub models); head_dim 128, qkv bias, rope_theta 1e6.
 QWEN25 = {
   "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_layers=36, num_heads=16, num_kv_heads=2,
@@ -224,16 +226,6 @@ def _time_hf(args, model, spec, batch):
               ms_per_step=sec / args.new_tokens * 1e3, rollout_s=sec,
               peak_gb=torch.cuda.max_memory_allocated() / 1e9, lora_rank=0, reps=len(times),
               device=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__)
-
-
-def commit() -> str:
-  # QERL_COMMIT first: the GPU machine's copy of the tree can carry a .git whose HEAD is not the tree's commit.
-  if os.environ.get("QERL_COMMIT"):
-    return os.environ["QERL_COMMIT"]
-  try:
-    return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
-  except Exception:  # pylint: disable=broad-except
-    return os.environ.get("QERL_COMMIT", "unknown")
 
 
 def main():

@@ -110,8 +110,8 @@ def measure(config) -> dict:
 def run(formats: Sequence[str], *, smoke: bool, out: str, seed: int = 0, num_prompts: int | None = None,
         samples: int | None = None, log=print) -> list[dict]:
   """Measures every format in `formats` and writes their lines to `out` (replacing it); returns them."""
-  from experiments.ablations import git_commit  # pylint: disable=import-outside-toplevel
-  commit = git_commit()
+  from experiments import provenance  # pylint: disable=import-outside-toplevel
+  commit = provenance.commit()
   rows = []
   for quant in formats:
     config = format_config(quant, smoke=smoke, seed=seed, num_prompts=num_prompts, samples=samples)

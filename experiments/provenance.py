@@ -1,0 +1,26 @@
+"""Which code a result came from: the commit every benchmark and study records with its numbers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def commit() -> str:
+  """QERL_COMMIT when set, else git HEAD (with "-dirty" when the library, kernels or configs differ from it).
+
+  The variable comes first because the GPU machine's copy of the tree can carry a .git whose HEAD is not the
+  commit of the files it runs. "unknown" outside a checkout.
+  """
+  if os.environ.get("QERL_COMMIT"):
+    return os.environ["QERL_COMMIT"]
+  try:
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "qerl_jax", "kernels", "configs"],
+                           cwd=ROOT, capture_output=True).returncode
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+  return head + ("-dirty" if dirty else "")
