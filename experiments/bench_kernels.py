@@ -153,12 +153,25 @@ def check(direction, cfg, a, w) -> float:
   return float(jnp.linalg.norm(out - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
 
 
-def bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw, dtype=jnp.bfloat16):
-  """Checks and times one kernel config and (cached per shape) the bf16 dot; returns a record."""
+def _case(direction, k, n, rows, key, dtype):
+  """Weight copies to rotate through (more bytes than L2 holds) and the activations of one case."""
   copies = int(np.clip(math.ceil(_L2_BYTES_x4 / _weight_bytes(k, n)), 2, 16))
   ws = _random_weights(key, k, n, copies)
   in_dim = k if direction == "fwd" else n
   a = jax.random.normal(jax.random.fold_in(key, 99), (rows, in_dim), jnp.float32).astype(dtype)
+  return ws, a
+
+
+def _record(direction, k, n, rows, us, bf16_us, bw, **extra):
+  roof_us = _weight_bytes(k, n) / bw * 1e6
+  return dict(rows=rows, k=k, n=n, direction=direction, us=round(us, 2), bf16_us=round(bf16_us, 2),
+              speedup=round(bf16_us / us, 3), roofline_frac=round(roof_us / us, 3), roofline_us=round(roof_us, 2),
+              **extra)
+
+
+def bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw, dtype=jnp.bfloat16):
+  """Checks and times one kernel config and (cached per shape) the bf16 dot; returns a record."""
+  ws, a = _case(direction, k, n, rows, key, dtype)
   candidate = dataclasses.asdict(cfg)
   cfg = config_lib.fit(cfg, direction, rows, k, n, auto_split=cfg.split == 1)
   t0 = time.perf_counter()
@@ -178,38 +191,29 @@ def bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw, dtype=jnp.bfloat1
       bop = lambda dy, w: jax.lax.dot_general(dy, w, (((1,), (1,)), ((), ())))
     bf16_cache[bkey] = _time_loop(bop, a, wb)
     del wb
-  bf16_us = bf16_cache[bkey]
-  roof_us = _weight_bytes(k, n) / bw * 1e6
   del ws
-  return dict(rows=rows, k=k, n=n, direction=direction, us=round(us, 2), bf16_us=round(bf16_us, 2),
-              speedup=round(bf16_us / us, 3), roofline_frac=round(roof_us / us, 3),
-              roofline_us=round(roof_us, 2), check_rel_err=float(f"{err:.3g}"),
-              config=dataclasses.asdict(cfg), candidate=candidate, first_call_s=round(compile_s, 2))
+  return _record(direction, k, n, rows, us, bf16_cache[bkey], bw, check_rel_err=float(f"{err:.3g}"),
+                 config=dataclasses.asdict(cfg), candidate=candidate, first_call_s=round(compile_s, 2))
 
 
 def bench_xla(direction, k, n, rows, key, bf16_cache, bw, dtype=jnp.bfloat16):
   """Times the XLA path (dequantize the weight to bf16, then XLA's dot) on the same shape; returns a record.
 
   At thousands of rows the dot is compute-bound and the dequantization (one pass over the weight) is small
-  next to it, so this path may beat a fused kernel there; `--xla` measures where.
+  next to it, so this path may beat a fused kernel there; `--xla` measures where. The backward is what
+  autodiff of the forward gives: dy @ dequant(W)^T.
   """
-  from kernels.nvfp4_matmul import nvfp4_matmul_reference  # pylint: disable=import-outside-toplevel
+  from qerl_jax import quant  # pylint: disable=import-outside-toplevel
   from qerl_jax.quant.types import NVFP4Tensor  # pylint: disable=import-outside-toplevel
-  copies = int(np.clip(math.ceil(_L2_BYTES_x4 / _weight_bytes(k, n)), 2, 16))
-  ws = [NVFP4Tensor(p, s, g) for p, s, g in _random_weights(key, k, n, copies)]
-  in_dim = k if direction == "fwd" else n
-  a = jax.random.normal(jax.random.fold_in(key, 99), (rows, in_dim), jnp.float32).astype(dtype)
+  ws, a = _case(direction, k, n, rows, key, dtype)
+  ws = [NVFP4Tensor(*w) for w in ws]
   if direction == "fwd":
-    op = nvfp4_matmul_reference
+    op = lambda x, q: jnp.matmul(x, quant.dequantize(q, x.dtype))
   else:
-    op = lambda dy, q: jax.vjp(lambda x: nvfp4_matmul_reference(x, q), jnp.zeros((rows, k), dtype))[1](dy)[0]
+    op = lambda dy, q: jnp.matmul(dy, quant.dequantize(q, dy.dtype).T)
   us = _time_loop(op, a, ws)
-  bkey = (direction, k, n, rows)
-  bf16_us = bf16_cache.get(bkey, float("nan"))
-  roof_us = _weight_bytes(k, n) / bw * 1e6
-  return dict(rows=rows, k=k, n=n, direction=direction, us=round(us, 2), bf16_us=round(bf16_us, 2),
-              speedup=round(bf16_us / us, 3), roofline_frac=round(roof_us / us, 3), roofline_us=round(roof_us, 2),
-              config={"block_n": 0, "block_k": 0, "split": 0, "num_warps": 0, "engine": "xla"})
+  return _record(direction, k, n, rows, us, bf16_cache.get((direction, k, n, rows), float("nan")), bw,
+                 config={"block_n": 0, "block_k": 0, "split": 0, "num_warps": 0, "engine": "xla"})
 
 
 def _bucket(direction, rows):
