@@ -1,0 +1,145 @@
+"""Where a decode step's time goes: GPU kernel time by kernel, from a profiler trace of a few decode steps.
+
+    python experiments/profile_decode.py --quants bf16 nvfp4 --batches 1 8 64 --out $OUT/profile.json
+
+For each (quant, batch, decode attention) it runs `--steps` decode steps of the rollout's body (one token
+per row into a `--cache-len` cache at slot `--start`, temperature sampling) on random weights in a Qwen2.5
+shape, times them without the profiler (median of `--reps`), then once under `jax.profiler.trace` and sums
+the GPU kernel time per kernel name. It prints, per run, ms per step (wall), kernel-busy ms per step, the
+gap (wall minus busy: launch overhead and idle) and the top kernels; the JSON holds every kernel's total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from experiments.bench_rollout import QWEN25, model_config, synthetic_base  # noqa: E402
+from experiments.provenance import commit  # noqa: E402
+
+
+def kernel_totals(trace_dir: str) -> tuple[dict[str, float], dict[str, float], float]:
+  """({kernel name: total us}, {device thread name: busy us}, device span us) from a perfetto trace."""
+  path = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)[0]
+  with gzip.open(path) as f:
+    events = json.load(f)["traceEvents"]
+  procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+  threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  totals, busy = collections.Counter(), collections.Counter()
+  lo, hi = float("inf"), 0.0
+  for e in events:
+    if e.get("ph") != "X" or "GPU" not in procs.get(e["pid"], ""):
+      continue
+    thread = threads.get((e["pid"], e.get("tid")), "?")
+    busy[thread] += e["dur"]
+    if thread.startswith("Stream"):  # kernels and copies; "XLA Ops"/"XLA Modules" lines repeat them
+      totals[e["name"]] += e["dur"]
+      lo, hi = min(lo, e["ts"]), max(hi, e["ts"] + e["dur"])
+  return dict(totals), dict(busy), (hi - lo if hi else 0.0)
+
+
+def decode_program(sampling):
+  import jax
+  from flax import nnx
+  from qerl_jax.rollout.sampling import sample
+
+  @jax.jit
+  def decode(graphdef_state, token_B, cache, start, valid_BxS, key, steps_arr):
+    graphdef, state = graphdef_state
+    model = nnx.merge(graphdef, state)
+
+    def body(i, carry):
+      token_B, cache = carry
+      logits, cache = model(token_B[:, None], None, cache=cache, cache_index=start + i, valid_BxS=valid_BxS)
+      token_B, _ = sample(logits[:, 0], jax.random.fold_in(key, i), sampling)
+      return token_B, cache
+
+    return jax.lax.fori_loop(0, steps_arr.shape[0], body, (token_B, cache))
+  return decode
+
+
+def run(args):
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from qerl_jax.model import Transformer, init_cache
+  from qerl_jax.model.linear import LoraConfig
+  from qerl_jax.rollout.sampling import SamplingParams
+
+  records = []
+  for quant in args.quants:
+    base = synthetic_base(model_config(args.model), quant)
+    for attention in args.decode_attention:
+      config = model_config(args.model).replace(decode_attention=attention)
+      model = Transformer(config, base, lora=LoraConfig(rank=16, alpha=16, dtype=jnp.bfloat16), rngs=nnx.Rngs(0))
+      gs = nnx.split(model)
+      decode = decode_program(SamplingParams(temperature=1.0))
+      steps_arr = jnp.zeros((args.steps,))
+      for batch in args.batches:
+        cache = init_cache(config, batch, args.cache_len)
+        valid = jnp.ones((batch, args.cache_len), bool)
+        token = jnp.zeros((batch,), jnp.int32)
+        go = lambda seed: decode(gs, token, cache, jnp.int32(args.start), valid, jax.random.key(seed), steps_arr)
+        jax.block_until_ready(go(0))
+        times = []
+        for rep in range(args.reps):
+          t0 = time.perf_counter()
+          jax.block_until_ready(go(rep + 1))
+          times.append(time.perf_counter() - t0)
+        ms_step = statistics.median(times) / args.steps * 1e3
+        with tempfile.TemporaryDirectory() as d:
+          with jax.profiler.trace(d, create_perfetto_trace=True):
+            jax.block_until_ready(go(99))
+          totals, busy, span = kernel_totals(d)
+        kernel_ms = sum(totals.values()) / 1e3 / args.steps
+        rec = dict(model=args.model, quant=quant, batch=batch, decode_attention=attention, steps=args.steps,
+                   cache_len=args.cache_len, start=args.start, ms_per_step=ms_step, kernel_ms_per_step=kernel_ms,
+                   span_ms_per_step=span / 1e3 / args.steps,
+                   kernels_us_per_step={k: v / args.steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
+                   busy_us_by_thread=busy, device=jax.devices()[0].device_kind, commit=commit(),
+                   jax=jax.__version__)
+        records.append(rec)
+        print(f"\n{quant:6s} b{batch:<3d} attn={attention:6s} {ms_step:7.2f} ms/step wall, kernels "
+              f"{kernel_ms:6.2f} ms/step, span {rec['span_ms_per_step']:6.2f}", flush=True)
+        for name, us in list(rec["kernels_us_per_step"].items())[:args.top]:
+          print(f"   {us:9.1f} us  {100 * us / 1e3 / max(kernel_ms, 1e-9):5.1f}%  {name[:110]}", flush=True)
+  return records
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", default="qwen2.5-7b", choices=sorted(QWEN25))
+  p.add_argument("--quants", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4"])
+  p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
+  p.add_argument("--decode-attention", nargs="+", default=["xla"], choices=["xla", "pallas"])
+  p.add_argument("--cache-len", type=int, default=1280)
+  p.add_argument("--start", type=int, default=768, help="first cache slot written (mid-rollout)")
+  p.add_argument("--steps", type=int, default=16)
+  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--top", type=int, default=15)
+  p.add_argument("--out", required=True, help="JSON file for the records")
+  args = p.parse_args()
+  records = run(args)
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(records, f)
+  print(f"\n{'quant':6s} {'batch':>5s} {'attn':6s} {'wall ms':>8s} {'kernel ms':>9s}")
+  for r in records:
+    print(f"{r['quant']:6s} {r['batch']:5d} {r['decode_attention']:6s} {r['ms_per_step']:8.2f} "
+          f"{r['kernel_ms_per_step']:9.2f}")
+
+
+if __name__ == "__main__":
+  main()
