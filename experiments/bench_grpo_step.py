@@ -86,7 +86,8 @@ def run_one(args) -> dict:
   from qerl_jax.train.state import init_train_state
   from qerl_jax.train.step import UpdateSettings, jit_logprobs, jit_update
 
-  config = model_config(args.model).replace(remat=True, decode_attention=args.decode_attention)
+  config = model_config(args.model).replace(remat=True, decode_attention=args.decode_attention,
+                                            decode_layers=args.decode_layers)
   rows = args.prompts * args.samples
   mesh_spec = dict(zip(sharding.MESH_AXES, map(int, args.mesh.split(","))))
   mesh = None if all(v == 1 for v in mesh_spec.values()) else sharding.make_mesh(mesh_spec)
@@ -175,7 +176,7 @@ def run_one(args) -> dict:
     samples=args.samples, prompt_len=args.prompt_len, new_tokens=args.new_tokens, micro_batch=args.micro_batch,
     lora_rank=args.lora_rank, tokens_per_s=rows * args.new_tokens / timings["rollout_s"], xla_memory=xla_memory,
     device=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit(),
-    decode_attention=args.decode_attention)
+    decode_attention=args.decode_attention, decode_layers=args.decode_layers)
 
 
 def main():
@@ -196,6 +197,8 @@ def main():
   p.add_argument("--mesh", default="1,1,1", help="data,fsdp,tensor sizes (-1 = the rest)")
   p.add_argument("--decode-attention", default="xla", choices=["xla", "pallas"],
                  help="one-token attention in the rollout (see bench_rollout.py)")
+  p.add_argument("--decode-layers", default="unrolled", choices=["unrolled", "scan"],
+                 help="the rollout's layer loop (see bench_rollout.py)")
   p.add_argument("--out", default=None,
                  help="JSON lines file (default experiments/results/grpo_step.jsonl; with --smoke, none)")
   p.add_argument("--smoke", action="store_true", help="tiny model and lengths: checks the script runs (CPU)")
@@ -215,7 +218,7 @@ def main():
     for quant in args.quants:
       cmd = [sys.executable, os.path.abspath(__file__), "--one", "--model", model, "--quant", quant]
       for flag in ("prompts", "samples", "prompt_len", "new_tokens", "micro_batch", "lora_rank", "logprob_chunk",
-                   "vocab_chunk", "mesh", "steps", "decode_attention"):
+                   "vocab_chunk", "mesh", "steps", "decode_attention", "decode_layers"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
       cmd += ["--memory-analysis"] if args.memory_analysis else []
       proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

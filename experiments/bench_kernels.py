@@ -278,6 +278,8 @@ def main(argv=None):
                  help="also time the XLA path (dequantize, then XLA's dot) after each kernel, same shape")
   p.add_argument("--gemv", action="store_true",
                  help="at forward rows <= 16 also time every gemv-engine candidate; the fastest is reported")
+  p.add_argument("--decoders", default="",
+                 help="comma-separated tile decoders to time on each tuned config (e.g. jnp,halves)")
   p.add_argument("--ab", action="store_true",
                  help="first time every tile decoder (jnp, halves, asm) on 7B gate_up/down at 1 and 2048 rows; "
                       "then use the faster one (per direction, rows <= 256 or more) for the whole run")
@@ -308,7 +310,8 @@ def main(argv=None):
             else:
               cfg = config_lib.get_config(direction, rows, k, n, device)
               dq = choice.get((direction, rows <= 256), cfg.dequant)
-              cands = [dataclasses.replace(cfg, dequant=dq)]
+              decoders = args.decoders.split(",") if args.decoders else [dq]
+              cands = [dataclasses.replace(cfg, dequant=d) for d in decoders]
               if args.gemv and direction == "fwd" and rows <= config_lib.GEMV_MAX_ROWS:
                 cands += GEMV_CANDIDATES
             best = None

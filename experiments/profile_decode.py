@@ -51,18 +51,24 @@ def kernel_totals(trace_dir: str) -> tuple[dict[str, float], dict[str, float], f
 
 
 def decode_program(sampling):
+  """The rollout's decode body (engine.rollout), `steps_arr.shape[0]` times, on the model's decode_layers."""
+  import functools
   import jax
   from flax import nnx
+  from qerl_jax.model.transformer import forward, unstack_layers
   from qerl_jax.rollout.sampling import sample
 
   @jax.jit
   def decode(graphdef_state, token_B, cache, start, valid_BxS, key, steps_arr):
-    graphdef, state = graphdef_state
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(*graphdef_state)
+    params = model.params()
+    if model.config.decode_layers == "unrolled":
+      params = unstack_layers(params)
+    fwd = functools.partial(forward, params, model.config, model.lora_scale)
 
     def body(i, carry):
       token_B, cache = carry
-      logits, cache = model(token_B[:, None], None, cache=cache, cache_index=start + i, valid_BxS=valid_BxS)
+      logits, cache = fwd(token_B[:, None], None, cache=cache, cache_index=start + i, valid_BxS=valid_BxS)
       token_B, _ = sample(logits[:, 0], jax.random.fold_in(key, i), sampling)
       return token_B, cache
 
@@ -81,14 +87,14 @@ def run(args):
   records = []
   for quant in args.quants:
     base = synthetic_base(model_config(args.model), quant)
-    for attention in args.decode_attention:
-      config = model_config(args.model).replace(decode_attention=attention)
+    for attention, layers in [(a, l) for l in args.decode_layers for a in args.decode_attention]:
+      config = model_config(args.model).replace(decode_attention=attention, decode_layers=layers)
       model = Transformer(config, base, lora=LoraConfig(rank=16, alpha=16, dtype=jnp.bfloat16), rngs=nnx.Rngs(0))
       gs = nnx.split(model)
       decode = decode_program(SamplingParams(temperature=1.0))
       steps_arr = jnp.zeros((args.steps,))
       for batch in args.batches:
-        cache = init_cache(config, batch, args.cache_len)
+        cache = init_cache(config, batch, args.cache_len, per_layer=layers == "unrolled")
         valid = jnp.ones((batch, args.cache_len), bool)
         token = jnp.zeros((batch,), jnp.int32)
         go = lambda seed: decode(gs, token, cache, jnp.int32(args.start), valid, jax.random.key(seed), steps_arr)
@@ -104,15 +110,16 @@ def run(args):
             jax.block_until_ready(go(99))
           totals, busy, span = kernel_totals(d)
         kernel_ms = sum(totals.values()) / 1e3 / args.steps
-        rec = dict(model=args.model, quant=quant, batch=batch, decode_attention=attention, steps=args.steps,
+        rec = dict(model=args.model, quant=quant, batch=batch, decode_attention=attention, decode_layers=layers,
+                   steps=args.steps,
                    cache_len=args.cache_len, start=args.start, ms_per_step=ms_step, kernel_ms_per_step=kernel_ms,
                    span_ms_per_step=span / 1e3 / args.steps,
                    kernels_us_per_step={k: v / args.steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
                    busy_us_by_thread=busy, device=jax.devices()[0].device_kind, commit=commit(),
                    jax=jax.__version__)
         records.append(rec)
-        print(f"\n{quant:6s} b{batch:<3d} attn={attention:6s} {ms_step:7.2f} ms/step wall, kernels "
-              f"{kernel_ms:6.2f} ms/step, span {rec['span_ms_per_step']:6.2f}", flush=True)
+        print(f"\n{quant:6s} b{batch:<3d} attn={attention:6s} layers={layers:8s} {ms_step:7.2f} ms/step wall, "
+              f"kernels {kernel_ms:6.2f} ms/step, span {rec['span_ms_per_step']:6.2f}", flush=True)
         for name, us in list(rec["kernels_us_per_step"].items())[:args.top]:
           print(f"   {us:9.1f} us  {100 * us / 1e3 / max(kernel_ms, 1e-9):5.1f}%  {name[:110]}", flush=True)
   return records
@@ -124,6 +131,7 @@ def main():
   p.add_argument("--quants", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4"])
   p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
   p.add_argument("--decode-attention", nargs="+", default=["xla"], choices=["xla", "pallas"])
+  p.add_argument("--decode-layers", nargs="+", default=["unrolled"], choices=["unrolled", "scan"])
   p.add_argument("--cache-len", type=int, default=1280)
   p.add_argument("--start", type=int, default=768, help="first cache slot written (mid-rollout)")
   p.add_argument("--steps", type=int, default=16)
@@ -135,10 +143,10 @@ def main():
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(records, f)
-  print(f"\n{'quant':6s} {'batch':>5s} {'attn':6s} {'wall ms':>8s} {'kernel ms':>9s}")
+  print(f"\n{'quant':6s} {'batch':>5s} {'attn':6s} {'layers':8s} {'wall ms':>8s} {'kernel ms':>9s}")
   for r in records:
-    print(f"{r['quant']:6s} {r['batch']:5d} {r['decode_attention']:6s} {r['ms_per_step']:8.2f} "
-          f"{r['kernel_ms_per_step']:9.2f}")
+    print(f"{r['quant']:6s} {r['batch']:5d} {r['decode_attention']:6s} {r['decode_layers']:8s} "
+          f"{r['ms_per_step']:8.2f} {r['kernel_ms_per_step']:9.2f}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@
 
 A step has two phases that never overlap in time (the KV cache is a temporary of the rollout program and is
 freed before the update runs): rollout (weights + adapters + optimizer state + KV cache + prefill and
-sampling buffers) and update (the same persistent state + gradient buffers + one micro-batch's activations +
-the chunked log-prob buffers). The peak is the larger of the two.
+sampling buffers, plus the "unrolled" decode loop's per-layer parameter copies) and update (the same
+persistent state + gradient buffers + one micro-batch's activations + the chunked log-prob buffers). The
+peak is the larger of the two.
 
 Exact parts: weights (shapes from `jax.eval_shape` of the base, split per device by the partition rules of
 `qerl_jax.sharding`), adapters, AdamW moments, KV cache, batch. Modelled parts: activations (the residual
@@ -31,6 +32,7 @@ from qerl_jax import sharding
 from qerl_jax.model.base import empty_base, proj_shapes, schemes_for
 from qerl_jax.model.config import ModelConfig
 from qerl_jax.model.linear import PROJ_NAMES
+from qerl_jax.quant.types import NVFP4Tensor
 
 GB = 1e9
 
@@ -53,6 +55,7 @@ class Plan:
   logprob_buffers: int  # [b, chunk, vocab_chunk] float32 slices of the chunked log-probs
   batch: int  # the update's rollout batch (token ids, masks, log-probs)
   dequant: int  # transient dequantized weights where no fused kernel reads the packed ones
+  layer_copies: int = 0  # the "unrolled" rollout's per-layer copies of what the kernels cannot read in place
   notes: tuple[str, ...] = ()
 
   @property
@@ -61,7 +64,7 @@ class Plan:
 
   @property
   def rollout_peak(self) -> int:
-    return self.persistent + self.kv_cache + self.rollout_work + self.dequant
+    return self.persistent + self.kv_cache + self.rollout_work + self.dequant + self.layer_copies
 
   @property
   def update_peak(self) -> int:
@@ -146,6 +149,10 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
 
   abstract = jax.eval_shape(lambda: empty_base(cfg, schemes_for(cfg, quant)))
   weights = _tree_bytes(abstract, "frozen", sizes)
+  # ModelConfig.decode_layers == "unrolled": the rollout copies every layer parameter except the stacked
+  # NVFP4 weights, which the kernels (or the XLA path, a layer at a time) read from the stack.
+  copied = {name: ({k: v for k, v in p.items() if k != "w"} if isinstance(p, dict)
+                   and isinstance(p.get("w"), NVFP4Tensor) else p) for name, p in abstract["layers"].items()}
 
   shapes = proj_shapes(cfg)
   lora_tree = {"layers": {name: {
@@ -156,6 +163,7 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
     for name in ("input_layernorm", "post_attention_layernorm"):
       lora_tree["layers"][name] = jax.ShapeDtypeStruct((cfg.num_layers, cfg.hidden_size), np.float32)
   lora = _tree_bytes(lora_tree, "params", sizes)
+  layer_copies = (_tree_bytes({"layers": copied}, "frozen", sizes) + lora) if cfg.decode_layers == "unrolled" else 0
   lora_f32 = lora * 4 // lora_it if lora_it != 4 else lora
   optimizer = 2 * lora
   grads = 2 * lora_f32 + lora  # f32 accumulator, one micro-batch's grads (f32 inside), the update tree
@@ -210,7 +218,7 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
     dequant = 0
   return Plan(weights=weights, lora=lora, optimizer=optimizer, kv_cache=kv_cache, rollout_work=rollout_work,
               grads=grads, activations=activations, logprob_buffers=logprob_buffers, batch=batch_bytes,
-              dequant=dequant, notes=tuple(notes))
+              dequant=dequant, layer_copies=layer_copies, notes=tuple(notes))
 
 
 def device_capacity(device: Any = None) -> int | None:
@@ -238,6 +246,9 @@ def check_fits(p: Plan, capacity: int | None, *, headroom: float = 0.95) -> None
   if p.persistent > limit:
     knob = (f"the weights, adapters and optimizer state alone take {gb(p.persistent)}: shard the base over "
             f"more devices (raise mesh.fsdp) or use a 4-bit model.quant")
+  elif p.rollout_peak >= p.update_peak and p.layer_copies > max(p.kv_cache, p.rollout_work):
+    knob = (f"the rollout's per-layer copies of the 16-bit layer parameters take {gb(p.layer_copies)}: set "
+            f"model.decode_layers='scan' (slower decode, no copy) or use a 4-bit model.quant")
   elif p.rollout_peak >= p.update_peak:
     knob = (f"the rollout's KV cache is {gb(p.kv_cache)} and its prefill/sampling buffers "
             f"{gb(p.rollout_work)}: lower rollout.batch_size (rows per rollout call) or "

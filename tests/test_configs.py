@@ -85,6 +85,7 @@ BAD = [
   ("aqn.sigma_end", 0.0, r"exponential schedule needs"),
   ("aqn.targets", "input_layernorm,mlp", r"aqn.targets="),
   ("rollout.temperature", 0.0, r"rollout.temperature=0.0 must be > 0"),
+  ("model.decode_layers", "loop", r"model.decode_layers='loop' must be 'unrolled' or 'scan'"),
   ("rollout.top_p", 1.5, r"rollout.top_p=1.5"),
   ("train.loss_type", "ppo", r"train.loss_type='ppo'"),
   ("train.learning_rate", -1.0, r"train.learning_rate=-1.0"),

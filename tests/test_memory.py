@@ -52,6 +52,13 @@ def test_exact_parts_match_hand_counts():
   b = memory.plan(cfg, "bf16", batch, prompt, new, None, r, 4, True)
   dense = sum(L * k * n * 2 for k, n in projections.values())
   assert b.weights == weights - sum(_nvfp4_bytes(k, n, L) for k, n in projections.values()) + dense
+  # The unrolled rollout copies the layer parameters nothing reads in place: biases and block norms, plus
+  # the adapters, over NVFP4; the 16-bit weights too over bf16. "scan" copies nothing.
+  small = L * (64 + 32 + 32) * 2 + 2 * L * D * 4
+  assert p.layer_copies == small + lora
+  assert b.layer_copies == small + dense + lora
+  assert b.rollout_peak - b.layer_copies == memory.plan(cfg.replace(decode_layers="scan"), "bf16", batch, prompt,
+                                                         new, None, r, 4, True).rollout_peak
 
 
 def test_refuses_with_the_knob_to_turn():
@@ -70,6 +77,10 @@ def test_refuses_with_the_knob_to_turn():
   logprob_heavy = dataclasses.replace(p, logprob_buffers=12 * gb)
   with pytest.raises(memory.PlanTooLarge, match="train.logprob_chunk or train.vocab_chunk"):
     memory.check_fits(logprob_heavy, 10 * gb)
+  copy_heavy = dataclasses.replace(p, layer_copies=12 * gb)
+  with pytest.raises(memory.PlanTooLarge, match="copies of the 16-bit layer parameters take 12.0 GB: set "
+                     "model.decode_layers='scan'"):
+    memory.check_fits(copy_heavy, 10 * gb)
   weight_heavy = dataclasses.replace(p, weights=11 * gb)
   with pytest.raises(memory.PlanTooLarge, match="raise mesh.fsdp"):
     memory.check_fits(weight_heavy, 10 * gb)

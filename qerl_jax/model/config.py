@@ -59,6 +59,12 @@ class ModelConfig:
   # One-token decode steps: "xla" (attention.attend over the layer's slice of the cache) or "pallas"
   # (kernels.decode_attention reads the layer of the stacked cache in place; interpret mode off the GPU).
   decode_attention: str = "xla"
+  # The rollout's layer loop (`qerl_jax.rollout.engine`): "unrolled" copies, once per rollout, every layer
+  # parameter the NVFP4 kernels cannot read in place (16-bit weights, adapters, norms, biases) into its own
+  # buffer and keeps the KV cache per layer, so a decode step slices nothing; "scan" slices the stacked
+  # arrays inside the step, which costs XLA a copy of each slice per token (the whole bf16 weight set per
+  # token on an H200: experiments/RESULTS.md) but no extra memory.
+  decode_layers: str = "unrolled"
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None
@@ -81,6 +87,8 @@ class ModelConfig:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
     if self.decode_attention not in ("xla", "pallas"):
       raise ValueError(f"decode_attention={self.decode_attention!r} must be 'xla' or 'pallas'")
+    if self.decode_layers not in ("unrolled", "scan"):
+      raise ValueError(f"decode_layers={self.decode_layers!r} must be 'unrolled' or 'scan'")
     rope_type = self.rope_scaling_dict.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
       raise ValueError(f"unsupported {rope_type=}; supported: {SUPPORTED_ROPE_TYPES}")

@@ -89,6 +89,7 @@ def resolve_targets(spec: str | Sequence[str]) -> tuple[str, ...]:
   return tuple(name for name in PROJ_NAMES if name in chosen)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["stacked", "layer"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class LayerOf:
   """Layer ``layer`` (an int32 scalar, e.g. a scan's index) of a stacked frozen NVFP4 weight [L, ...].
@@ -96,10 +97,11 @@ class LayerOf:
   A `lax.scan` that slices stacked weights makes XLA copy each layer's slice before its matmul (measured on
   an H200: 2.7x the time of unsliced weights for a decode-sized bf16 MLP pass, experiments/RESULTS.md). The
   model hands NVFP4 weights over whole with the index instead, and the fused kernels read the layer in place.
+  A pytree (both fields are leaves), so a layer's parameters can pass through jax.checkpoint with it.
   """
 
   stacked: Any
-  layer: jax.Array
+  layer: Any  # an int32 scalar or a Python int
 
 
 def base_matmul(x_BxTxK: jax.Array, w: Any) -> jax.Array:

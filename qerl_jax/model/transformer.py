@@ -43,11 +43,17 @@ NOISE_KEYS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
 TRAINABLE_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> dict[str, jax.Array]:
-  """An empty KV cache: {"k", "v"} of [L, B, max_len, Hkv, Dh] in `dtype` (default config.dtype)."""
-  shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, *, per_layer: bool = False):
+  """An empty KV cache: {"k", "v"} of [L, B, max_len, Hkv, Dh] in `dtype` (default config.dtype).
+
+  per_layer: lists of L arrays [B, max_len, Hkv, Dh] instead, for a forward over `unstack_layers` params
+  (each layer then attends and writes its own buffer, with no slice of a stacked one).
+  """
   dtype = jnp.dtype(dtype or config.dtype)
-  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+  layer_shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+  if per_layer:
+    return {name: [jnp.zeros(layer_shape, dtype) for _ in range(config.num_layers)] for name in ("k", "v")}
+  return {name: jnp.zeros((config.num_layers, *layer_shape), dtype) for name in ("k", "v")}
 
 
 def lm_head_logits(h_xD: jax.Array, w_VxD: jax.Array) -> jax.Array:
@@ -57,7 +63,8 @@ def lm_head_logits(h_xD: jax.Array, w_VxD: jax.Array) -> jax.Array:
 
 def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, mask_BxTxS, kv, layer,
            cache_index):
-  """One decoder block. kv: None (no cache) or the full (k, v) caches [L, B, S, Hkv, Dh] to update."""
+  """One decoder block. kv: None (no cache), the stacked (k, v) caches [L, B, S, Hkv, Dh] to update at
+  `layer`, or this layer's own (k, v) [B, S, Hkv, Dh]."""
   b, t, _ = x_BxTxD.shape
   eps = config.rms_norm_eps
   h = attn.rms_norm(x_BxTxD, p["input_layernorm"], eps, noise.get("input_layernorm"))
@@ -72,17 +79,20 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
     o = attn.attend(q, k, v, mask_BxTxS, config.attn_query_chunk)
   else:
     k_cache, v_cache = kv
-    start = (layer, 0, cache_index, 0, 0)
-    k_cache = jax.lax.dynamic_update_slice(k_cache, k[None].astype(k_cache.dtype), start)
-    v_cache = jax.lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), start)
+    stacked = k_cache.ndim == 5  # [L, B, S, Hkv, Dh] and this layer's index, or this layer's [B, S, Hkv, Dh]
+    start = (layer, 0, cache_index, 0, 0) if stacked else (0, cache_index, 0, 0)
+    k_new, v_new = (k[None], v[None]) if stacked else (k, v)
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k_new.astype(k_cache.dtype), start)
+    v_cache = jax.lax.dynamic_update_slice(v_cache, v_new.astype(v_cache.dtype), start)
     kv = (k_cache, v_cache)
     if t == 1 and config.decode_attention == "pallas":  # reads this layer of the stacked cache in place
       from kernels.decode_attention import decode_attention  # pylint: disable=import-outside-toplevel
-      o = decode_attention(q[:, 0], k_cache, v_cache, layer, mask_BxTxS[:, 0],
+      k_stack, v_stack, index = (k_cache, v_cache, layer) if stacked else (k_cache[None], v_cache[None], 0)
+      o = decode_attention(q[:, 0], k_stack, v_stack, index, mask_BxTxS[:, 0],
                            interpret=jax.default_backend() != "gpu")[:, None]
     else:
-      k_all = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
-      v_all = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
+      k_all = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False) if stacked else k_cache
+      v_all = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False) if stacked else v_cache
       # The mask's slot count: all of the cache, or (static cache_index, e.g. a prefill) the slots these
       # queries can see at all, so a prefill attends over the prompt, not the whole response budget.
       k_all, v_all = k_all[:, :mask_BxTxS.shape[-1]], v_all[:, :mask_BxTxS.shape[-1]]
@@ -143,9 +153,9 @@ def forward(params: dict[str, Any], config: ModelConfig, lora_scale: float, toke
     num_slots = t
   else:
     cache_index = 0 if cache_index is None else cache_index
-    num_slots = cache["k"].shape[2]
-    if cache["k"].shape[1] != b:
-      raise ValueError(f"cache batch {cache['k'].shape[1]} != tokens batch {b}")
+    cache_b, num_slots = _cache_rows_and_slots(cache)
+    if cache_b != b:
+      raise ValueError(f"cache batch {cache_b} != tokens batch {b}")
     if isinstance(cache_index, (int, np.integer)):  # static: later slots are invisible to these queries
       num_slots = min(num_slots, int(cache_index) + t)
       valid_BxS = None if valid_BxS is None else valid_BxS[:, :num_slots]
@@ -156,25 +166,70 @@ def forward(params: dict[str, Any], config: ModelConfig, lora_scale: float, toke
   cos, sin = attn.rope_cos_sin(config, positions_BxT)
   x = jnp.take(params["embed_tokens"], tokens_BxT, axis=0).astype(config.dtype)
 
-  sliced, whole = _read_in_place(params["layers"])
-
-  def body(carry, xs):
-    x, kv = carry
-    p, layer_noise, layer = xs
-    p = {**p, **{name: {**p[name], "w": LayerOf(w, layer)} for name, w in whole.items()}}
-    x, kv = _layer(config, lora_scale, x, p, layer_noise, cos, sin, mask_BxTxS, kv, layer, cache_index)
-    return (x, kv), None
+  def layer_fn(x, kv, p, layer_noise, layer):
+    return _layer(config, lora_scale, x, p, layer_noise, cos, sin, mask_BxTxS, kv, layer, cache_index)
 
   if config.remat:
-    body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, config.remat_policy))
+    layer_fn = jax.checkpoint(layer_fn, policy=getattr(jax.checkpoint_policies, config.remat_policy))
   kv = None if cache is None else (cache["k"], cache["v"])
-  xs = (sliced, noise, jnp.arange(config.num_layers, dtype=jnp.int32))
-  (x, kv), _ = jax.lax.scan(body, (x, kv), xs)
+  if isinstance(params["layers"], (list, tuple)):
+    x, kv = _unrolled(layer_fn, x, kv, params["layers"], noise)
+  else:
+    x, kv = _scanned(layer_fn, x, kv, params["layers"], noise, config.num_layers)
   h = attn.rms_norm(x, params["norm"], config.rms_norm_eps)
   out = h if return_hidden else lm_head_logits(h, _lm_head(params))
   if cache is None:
     return out
   return out, {"k": kv[0], "v": kv[1]}
+
+
+def _cache_rows_and_slots(cache: dict[str, Any]) -> tuple[int, int]:
+  """(B, S) of a stacked cache [L, B, S, ...] or a per-layer one (lists of [B, S, ...])."""
+  k = cache["k"]
+  return tuple(k[0].shape[:2]) if isinstance(k, (list, tuple)) else tuple(k.shape[1:3])
+
+
+def _scanned(layer_fn, x, kv, layers: dict[str, Any], noise: dict[str, jax.Array], num_layers: int):
+  """The layers as a `lax.scan` over the stacked parameters (training, and the "scan" decode loop)."""
+  sliced, whole = _read_in_place(layers)
+
+  def body(carry, xs):
+    x, kv = carry
+    p, layer_noise, layer = xs
+    p = {**p, **{name: {**p[name], "w": LayerOf(w, layer)} for name, w in whole.items()}}
+    return layer_fn(x, kv, p, layer_noise, layer), None
+
+  xs = (sliced, noise, jnp.arange(num_layers, dtype=jnp.int32))
+  (x, kv), _ = jax.lax.scan(body, (x, kv), xs)
+  return x, kv
+
+
+def _unrolled(layer_fn, x, kv, layers: list[dict[str, Any]], noise: dict[str, jax.Array]):
+  """The layers as a Python loop over per-layer parameters (`unstack_layers`) and per-layer caches."""
+  new_k, new_v = [], []
+  for layer, p in enumerate(layers):
+    kv_l = None if kv is None else (kv[0][layer], kv[1][layer])
+    x, kv_l = layer_fn(x, kv_l, p, {name: value[layer] for name, value in noise.items()}, layer)
+    if kv_l is not None:
+      new_k.append(kv_l[0])
+      new_v.append(kv_l[1])
+  return x, (None if kv is None else (new_k, new_v))
+
+
+def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
+  """`params` with "layers" as a list of per-layer dicts, for a forward that slices nothing per call.
+
+  Every stacked leaf is sliced here, once (a copy of the 16-bit weights, adapters, norms and biases), except
+  the NVFP4 weights, which stay whole as `LayerOf(stack, l)` because the fused kernels read a layer in place.
+  The rollout does this before its decode loop, so a decode step runs on its own per-layer buffers.
+  """
+  sliced, whole = _read_in_place(params["layers"])
+  num_layers = _num_layers(sliced if jax.tree.leaves(sliced) else whole)
+  per_layer = []
+  for layer in range(num_layers):
+    p = jax.tree.map(lambda a, layer=layer: a[layer], sliced)
+    per_layer.append({**p, **{name: {**p[name], "w": LayerOf(w, layer)} for name, w in whole.items()}})
+  return {**params, "layers": per_layer}
 
 
 _forward_jit = jax.jit(forward, static_argnums=(1, 2), static_argnames=("return_hidden",))

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from qerl_jax.model import init_cache
+from qerl_jax.model.transformer import forward, unstack_layers
 from qerl_jax.rollout.sampling import SamplingParams, sample
 
 # Incremented each time the decode program is traced: the tests assert one trace per bucket.
@@ -56,16 +57,22 @@ def rollout(graphdef, state, prompt_BxP, valid_BxP, key, norm_noise=None, *, sam
   """
   TRACE_COUNT["rollout"] += 1
   model = nnx.merge(graphdef, state)
+  config = model.config
   batch, prompt_len = prompt_BxP.shape
   cache_len = prompt_len + max_new_tokens
-  cache = init_cache(model.config, batch, cache_len, model.config.dtype)
+  params = model.params()
+  per_layer = config.decode_layers == "unrolled"
+  if per_layer:  # one copy per rollout instead of a slice (copy) of each stacked array per token
+    params = unstack_layers(params)
+  fwd = functools.partial(forward, params, config, model.lora_scale, norm_noise=norm_noise)
+  cache = init_cache(config, batch, cache_len, config.dtype, per_layer=per_layer)
   valid_BxS = jnp.concatenate([valid_BxP, jnp.ones((batch, max_new_tokens), bool)], axis=1)
   real_len_B = valid_BxP.sum(axis=-1).astype(jnp.int32)
   stop_V = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
 
   # Prefill: hidden states only, lm_head on the last position alone (not [B, P, V]).
-  h_BxPxD, cache = model(prompt_BxP, prompt_positions(valid_BxP), cache=cache, cache_index=0,
-                         valid_BxS=valid_BxS, norm_noise=norm_noise, return_hidden=True)
+  h_BxPxD, cache = fwd(prompt_BxP, prompt_positions(valid_BxP), cache=cache, cache_index=0, valid_BxS=valid_BxS,
+                       return_hidden=True)
   logits_BxV = model.lm_head_logits(h_BxPxD[:, -1])
   token_B, logp_B = sample(logits_BxV, jax.random.fold_in(key, 0), sampling)
   tokens_BxN = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(token_B)
@@ -81,8 +88,8 @@ def rollout(graphdef, state, prompt_BxP, valid_BxP, key, norm_noise=None, *, sam
     i, token_B, cache, done_B, lengths_B, tokens_BxN, logp_BxN = carry
     # Token i-1 sits at cache slot P+i-1 and RoPE position real_len+i-1.
     positions_Bx1 = (real_len_B + i - 1)[:, None]
-    logits_Bx1xV, cache = model(token_B[:, None], positions_Bx1, cache=cache, cache_index=prompt_len + i - 1,
-                                valid_BxS=valid_BxS, norm_noise=norm_noise)
+    logits_Bx1xV, cache = fwd(token_B[:, None], positions_Bx1, cache=cache, cache_index=prompt_len + i - 1,
+                              valid_BxS=valid_BxS)
     new_B, new_logp_B = sample(logits_Bx1xV[:, 0], jax.random.fold_in(key, i), sampling)
     new_B = jnp.where(done_B, pad_id, new_B)
     new_logp_B = jnp.where(done_B, 0.0, new_logp_B)

@@ -102,6 +102,13 @@ def build_model(config, mesh=None):
 
   With a `mesh`, a checkpoint's base is loaded straight into its shards (no device holds all of it).
   """
+  model, tokenizer = _build_model(config, mesh)
+  # A runtime choice of the rollout, not of the architecture: set on the built model's config.
+  model.config = model.config.replace(decode_layers=config.model.get("decode_layers", "unrolled"))
+  return model, tokenizer
+
+
+def _build_model(config, mesh):
   if config.model.random.model_type:
     if not config.model.tokenizer:
       raise ValueError("a random model (model.random.model_type set) needs model.tokenizer")

@@ -55,6 +55,8 @@ def validate_config(config) -> None:
   _need(m.dtype in DTYPES, f"model.dtype={m.dtype!r} must be one of {DTYPES}")
   _need(m.lora_rank >= 1, f"model.lora_rank={m.lora_rank} must be >= 1 (the trainer trains LoRA adapters)")
   _need(m.lora_alpha > 0, f"model.lora_alpha={m.lora_alpha} must be > 0")
+  _need(m.get("decode_layers", "unrolled") in ("unrolled", "scan"),
+        f"model.decode_layers={m.get('decode_layers')!r} must be 'unrolled' or 'scan'")
   if m.random.model_type:
     _need(m.random.model_type in ("llama", "qwen2", "qwen3"),
           f"model.random.model_type={m.random.model_type!r} must be llama, qwen2 or qwen3")

@@ -1,0 +1,85 @@
+"""The rollout's two layer loops: "unrolled" (per-layer buffers, the default) against "scan" (stacked)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from qerl_jax.model.testing import fresh_seed
+from qerl_jax.rollout import engine
+from qerl_jax.rollout.sampling import SamplingParams
+from tests.test_model_forward import random_model, tiny_config
+
+
+def _rollout(model, prompt, valid, key, noise, **kw):
+  graphdef, state = nnx.split(model)
+  return engine.rollout(graphdef, state, prompt, valid, key, noise, sampling=SamplingParams(temperature=1.0),
+                        max_new_tokens=6, stop_ids=(), pad_id=0, **kw)
+
+
+@pytest.mark.parametrize("quant,remat", [("bf16", False), ("nvfp4", True)])
+def test_unrolled_and_scanned_decode_sample_the_same_tokens(quant, remat):
+  seed = fresh_seed()
+  config = tiny_config(remat=remat)
+  model = random_model(config, seed, quant=quant)
+  rng = np.random.default_rng(seed)
+  prompt = jnp.asarray(rng.integers(1, config.vocab_size, (3, 7)), jnp.int32)
+  valid = jnp.asarray(np.arange(7)[None, :] >= np.array([[0], [2], [4]]))  # left padding of 0, 2 and 4
+  noise = {name: jnp.asarray(0.05 * rng.standard_normal((config.num_layers, dim)), jnp.float32)
+           for name, dim in (("input_layernorm", config.hidden_size), ("q_norm", config.head_dim))}
+  key = jax.random.key(seed)
+  outs = {}
+  for layers in ("unrolled", "scan"):
+    model.config = config.replace(decode_layers=layers)
+    outs[layers] = _rollout(model, prompt, valid, key, noise)
+  np.testing.assert_array_equal(outs["unrolled"].tokens_BxN, outs["scan"].tokens_BxN)
+  np.testing.assert_allclose(outs["unrolled"].logprobs_BxN, outs["scan"].logprobs_BxN, rtol=1e-5, atol=1e-5)
+  assert float(jnp.abs(outs["scan"].logprobs_BxN).sum()) > 0
+
+
+def _while_bodies(jaxpr):
+  """The body jaxprs of every while loop in a (closed) jaxpr, searched through nested calls."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "while":
+      found.append(eqn.params["body_jaxpr"].jaxpr)
+    for sub in jax.core.jaxprs_in_params(eqn.params):
+      found += _while_bodies(sub)
+  return found
+
+
+def _eqns(jaxpr):
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jax.core.jaxprs_in_params(eqn.params):
+      yield from _eqns(sub)
+
+
+def test_unrolled_decode_step_slices_no_stacked_array():
+  # In the decode loop of the "unrolled" rollout no operation takes a slice of an array stacked over the
+  # layers (the per-token copy XLA makes of such slices); the "scan" loop does, through its scan.
+  config = tiny_config(num_layers=3)
+  model = random_model(config, fresh_seed())
+  prompt = jnp.ones((2, 5), jnp.int32)
+  valid = jnp.ones((2, 5), bool)
+  for layers in ("unrolled", "scan"):
+    model.config = config.replace(decode_layers=layers)
+    graphdef, state = nnx.split(model)
+    jaxpr = jax.make_jaxpr(lambda s: engine.rollout(
+        graphdef, s, prompt, valid, jax.random.key(0), sampling=SamplingParams(temperature=1.0),
+        max_new_tokens=4, stop_ids=()))(state)
+    (body,) = _while_bodies(jaxpr.jaxpr)
+    eqns = list(_eqns(body))
+    sliced = [eqn for eqn in eqns if eqn.primitive.name in ("dynamic_slice", "slice", "gather")
+              and eqn.invars[0].aval.ndim >= 2 and eqn.invars[0].aval.shape[0] == config.num_layers]
+    scans = [eqn for eqn in eqns if eqn.primitive.name == "scan"]
+    if layers == "unrolled":
+      assert not scans and not sliced, [str(e)[:200] for e in sliced]
+    else:
+      assert scans
+
+
+def test_decode_layers_must_be_known():
+  with pytest.raises(ValueError, match="decode_layers='loop' must be"):
+    tiny_config(decode_layers="loop")
