@@ -311,6 +311,8 @@ def main(argv=None):
               cfg = config_lib.get_config(direction, rows, k, n, device)
               dq = choice.get((direction, rows <= 256), cfg.dequant)
               decoders = args.decoders.split(",") if args.decoders else [dq]
+              if "asm" in decoders:
+                os.environ["QERL_KERNELS_EXPERIMENTAL_ASM"] = "1"
               cands = [dataclasses.replace(cfg, dequant=d) for d in decoders]
               if args.gemv and direction == "fwd" and rows <= config_lib.GEMV_MAX_ROWS:
                 cands += GEMV_CANDIDATES

@@ -34,11 +34,12 @@ class Nvfp4MatmulConfig:
   group_m: row tiles visited together so neighbouring programs share weight tiles in L2.
   dequant: how tiles are decoded: "jnp" (decode, then interleave the two nibbles of each byte into logical
   order), "halves" (no interleave: the even and odd columns of x are split outside the kernel and each
-  nibble plane meets its half; needs block_k >= 32), or "asm" (inline PTX; experimental, never in
-  interpret mode).
+  nibble plane meets its half; needs block_k >= 32), or "asm" (the "halves" layout decoded by inline PTX:
+  a few bit operations and paired multiply-adds per packed word; GPU only, interpret mode runs "halves").
   engine: "tensorcore" (the tile kernels above) or "gemv" (forward only, at most GEMV_MAX_ROWS rows: each
-  decoded weight meets its x element in a float32 multiply-add on the CUDA cores; block_m and dequant are
-  unused there). ``fit`` turns a gemv config into a tensor-core one where gemv does not apply.
+  decoded weight meets its x element in a float32 multiply-add on the CUDA cores; block_m is unused there
+  and dequant is "asm" or the e4m3 route). ``fit`` turns a gemv config into a tensor-core one where gemv
+  does not apply.
   """
 
   block_m: int = 16
@@ -143,7 +144,7 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
     while steps % split:  # split-K must cut K into whole block_k steps
       split -= 1
   # "halves" contracts block_k / 2 columns per dot, and Triton's dots need at least 16.
-  dequant = "jnp" if cfg.dequant == "halves" and block_k < 32 else cfg.dequant
+  dequant = "jnp" if cfg.dequant in ("halves", "asm") and block_k < 32 else cfg.dequant
   return dataclasses.replace(cfg, block_m=block_m, block_n=block_n, block_k=block_k, split=split,
                              dequant=dequant, engine=engine)
 

@@ -36,12 +36,13 @@ def gemv_x_layout(x_MxK: jax.Array) -> jax.Array:
 
 
 def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_ref, *, n: int, rows: int, block_n: int,
-                      block_b: int, b_per_split: int, split: int):
+                      block_b: int, b_per_split: int, split: int, dequant: str = "jnp"):
   """One block_n slice of y for every row, over one split of the K blocks.
 
   x_ref f32 [M, 2, K/16, 8]; layer_ref int32 [1]; packed_ref uint8 [L*N, K/16, 8]; scale_ref e4m3
   [L*N, K/16]; gs_ref f32 [L] (rows layer*N .. layer*N + N are this weight); o_ref [M, N] (x dtype) when
-  split == 1, else float32 partials [split, M, N].
+  split == 1, else float32 partials [split, M, N]. dequant "asm" decodes with inline PTX (GPU only); any
+  other value with the e4m3 conversion.
   """
   layer = layer_ref[0]
   pid_n = pl.program_id(0)
@@ -56,22 +57,25 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_ref, *,
     blocks = pl.ds(b0, block_b)
     p_NxBx8 = plgpu.load(packed_ref.at[w_rows, blocks, :], mask=col_mask[:, None, None], other=0)
     s_NxB = plgpu.load(scale_ref.at[w_rows, blocks], mask=col_mask[:, None], other=0.0).astype(jnp.float32)
-    lo_bits, hi_bits = nvfp4_tile.nibbles_to_e4m3_bits(p_NxBx8)
-    # E2M1 / 64 exactly (see nvfp4_tile): the hardware e4m3 conversion does the decode.
-    lo = jax.lax.bitcast_convert_type(lo_bits, jnp.float8_e4m3fn).astype(jnp.float32)
-    hi = jax.lax.bitcast_convert_type(hi_bits, jnp.float8_e4m3fn).astype(jnp.float32)
+    if dequant == "asm":  # E2M1 * scale, exact in bf16, from inline PTX (no per-weight conversion)
+      lo, hi = (plane.astype(jnp.float32)
+                for plane in nvfp4_tile.dequant_halves_asm(p_NxBx8, s_NxB, jnp.bfloat16))
+    else:  # E2M1 / 64 exactly (see nvfp4_tile): the hardware e4m3 conversion does the decode
+      lo_bits, hi_bits = nvfp4_tile.nibbles_to_e4m3_bits(p_NxBx8)
+      lo = jax.lax.bitcast_convert_type(lo_bits, jnp.float8_e4m3fn).astype(jnp.float32)
+      hi = jax.lax.bitcast_convert_type(hi_bits, jnp.float8_e4m3fn).astype(jnp.float32)
     out = []
     for r in range(rows):
       row = jnp.int32(r)  # Pallas indexes refs with traced ints, not Python ones
       xe_Bx8 = x_ref[row, 0, blocks, :]
       xo_Bx8 = x_ref[row, 1, blocks, :]
       block_sums_NxB = jnp.sum(lo * xe_Bx8[None] + hi * xo_Bx8[None], axis=-1)
-      out.append(accs[r] + block_sums_NxB * s_NxB)
+      out.append(accs[r] + (block_sums_NxB if dequant == "asm" else block_sums_NxB * s_NxB))
     return tuple(out)
 
   zeros = tuple(jnp.zeros((block_n, block_b), jnp.float32) for _ in range(rows))
   accs = jax.lax.fori_loop(0, b_per_split // block_b, body, zeros)
-  multiplier = nvfp4_tile.output_multiplier(gs_ref[layer])
+  multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
   for r in range(rows):
     y_N = jnp.sum(accs[r], axis=-1) * multiplier
     row = jnp.int32(r)
@@ -97,7 +101,8 @@ def nvfp4_gemv_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.
     raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
   kb = k // 16
   kernel = functools.partial(nvfp4_gemv_kernel, n=n, rows=m, block_n=cfg.block_n, block_b=cfg.block_k // 16,
-                             b_per_split=kb // cfg.split, split=cfg.split)
+                             b_per_split=kb // cfg.split, split=cfg.split,
+                             dequant=nvfp4_tile.decoder(cfg.dequant, interpret))
   operands = [gemv_x_layout(x_MxK), layer_1, packed.reshape(packed.shape[0], kb, 8), scale, gs]
   return nvfp4_tile.launch(kernel, operands, rows=m, cols=n, split=cfg.split, dtype=x_MxK.dtype,
                            grid=(pl.cdiv(n, cfg.block_n), cfg.split), num_warps=cfg.num_warps,

@@ -28,8 +28,8 @@ def nvfp4_matmul_bwd_kernel(dy_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_
 
   dy_ref [M, N]; layer_ref int32 [1]; packed_ref uint8 [L*N, K/2]; scale_ref e4m3 [L*N, K/16]; gs_ref f32
   [L] (rows layer*N .. layer*N + N are this weight);
-  o_ref [M, K] (dy dtype) when split == 1, else float32 partials [split, M, K]; with dequant == "halves" each
-  block_k run of dx's columns is written as its even columns, then its odd ones (``halves_order``).
+  o_ref [M, K] (dy dtype) when split == 1, else float32 partials [split, M, K]; with dequant "halves" or
+  "asm" each block_k run of dx's columns is written as its even columns, then its odd ones (``halves_order``).
   """
   m, n = dy_ref.shape
   k = 2 * packed_ref.shape[1]
@@ -57,10 +57,12 @@ def nvfp4_matmul_bwd_kernel(dy_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_
   contract = (((0,), (1,)), ((), ()))
   multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
   mask = row_mask[:, None]
-  if dequant == "halves":  # two accumulators, dx's even and odd columns: no interleave in the kernel
+  if dequant in ("halves", "asm"):  # two accumulators, dx's even and odd columns: no interleave in the kernel
+    decode = nvfp4_tile.dequant_halves_asm if dequant == "asm" else nvfp4_tile.dequant_halves
+
     def body_halves(i, accs):
       dy_MxN, p_NxKh, s_NxKb = loads(i)
-      we_NxKh, wo_NxKh = nvfp4_tile.dequant_halves(p_NxKh, s_NxKb, dy_MxN.dtype)
+      we_NxKh, wo_NxKh = decode(p_NxKh, s_NxKb, dy_MxN.dtype)
       return tuple(acc + jax.lax.dot_general(w, dy_MxN, contract, preferred_element_type=jnp.float32)
                    for acc, w in zip(accs, (we_NxKh, wo_NxKh)))
 
@@ -78,8 +80,7 @@ def nvfp4_matmul_bwd_kernel(dy_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_
 
   def body(i, acc_KxM):
     dy_MxN, p_NxKh, s_NxKb = loads(i)
-    decode = nvfp4_tile.dequant_tile_asm if dequant == "asm" else nvfp4_tile.dequant_tile
-    w_NxK = decode(p_NxKh, s_NxKb, dy_MxN.dtype)
+    w_NxK = nvfp4_tile.dequant_tile(p_NxKh, s_NxKb, dy_MxN.dtype)
     return acc_KxM + jax.lax.dot_general(w_NxK, dy_MxN, contract, preferred_element_type=jnp.float32)
 
   acc_KxM = jax.lax.fori_loop(0, steps_per_split, body, jnp.zeros((block_k, block_m), jnp.float32))
@@ -116,6 +117,6 @@ def nvfp4_matmul_bwd_pallas(dy_MxN: jax.Array, packed_NxKh: jax.Array, scale_NxK
   out = nvfp4_tile.launch(kernel, [dy_MxN, *weight_operands], rows=m, cols=k, split=split, dtype=dy_MxN.dtype,
                           grid=(num_m * (k // cfg.block_k), split), num_warps=cfg.num_warps,
                           num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_matmul_bwd")
-  if cfg.dequant == "halves":
+  if cfg.dequant in ("halves", "asm"):
     out = logical_order(out, cfg.block_k)
   return out

@@ -51,8 +51,8 @@ def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_r
                             dequant: str = "jnp"):
   """One [block_m, block_n] output tile over one contraction split.
 
-  x_ref [M, K] (with dequant == "halves", each block_k run of columns holds the run's even columns, then its
-  odd ones: see ``halves_order``); layer_ref int32 [1]; packed_ref uint8 [L*N, K/2]; scale_ref e4m3
+  x_ref [M, K] (with dequant "halves" or "asm", each block_k run of columns holds the run's even columns,
+  then its odd ones: see ``halves_order``); layer_ref int32 [1]; packed_ref uint8 [L*N, K/2]; scale_ref e4m3
   [L*N, K/16]; gs_ref f32 [L] (``nvfp4_tile.layer_operands``: rows layer*N .. layer*N + N are this weight);
   o_ref [M, N] (x dtype) when split == 1, else float32 partials [split, M, N].
   """
@@ -75,17 +75,17 @@ def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_r
                         mask=col_mask[:, None], other=0)
     s_NxKb = plgpu.load(scale_ref.at[w_rows, pl.ds(k0 // 16, block_k // 16)], mask=col_mask[:, None], other=0.0)
     contract = (((1,), (1,)), ((), ()))
-    if dequant == "halves":  # the low nibbles meet x's even columns, the high ones its odd columns
+    if dequant in ("halves", "asm"):  # the low nibbles meet x's even columns, the high ones its odd columns
       rows = pl.ds(pid_m * block_m, block_m)
       xe_MxKh, xo_MxKh = (plgpu.load(x_ref.at[rows, pl.ds(k0 + half * (block_k // 2), block_k // 2)],
                                      mask=row_mask[:, None], other=0.0) for half in (0, 1))
-      we_NxKh, wo_NxKh = nvfp4_tile.dequant_halves(p_NxKh, s_NxKb, xe_MxKh.dtype)
+      decode = nvfp4_tile.dequant_halves_asm if dequant == "asm" else nvfp4_tile.dequant_halves
+      we_NxKh, wo_NxKh = decode(p_NxKh, s_NxKb, xe_MxKh.dtype)
       return (acc_NxM + jax.lax.dot_general(we_NxKh, xe_MxKh, contract, preferred_element_type=jnp.float32)
               + jax.lax.dot_general(wo_NxKh, xo_MxKh, contract, preferred_element_type=jnp.float32))
     x_MxK = plgpu.load(x_ref.at[pl.ds(pid_m * block_m, block_m), pl.ds(k0, block_k)],
                        mask=row_mask[:, None], other=0.0)
-    decode = nvfp4_tile.dequant_tile_asm if dequant == "asm" else nvfp4_tile.dequant_tile
-    w_NxK = decode(p_NxKh, s_NxKb, x_MxK.dtype)
+    w_NxK = nvfp4_tile.dequant_tile(p_NxKh, s_NxKb, x_MxK.dtype)
     return acc_NxM + jax.lax.dot_general(w_NxK, x_MxK, contract, preferred_element_type=jnp.float32)
 
   acc_NxM = jax.lax.fori_loop(0, k_per_split // block_k, body,
@@ -124,7 +124,7 @@ def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb
       k_per_split=k // cfg.split, group_m=cfg.group_m, split=cfg.split,
       dequant=nvfp4_tile.decoder(cfg.dequant, interpret))
   # "halves": a reordered copy of x (small next to the weight it multiplies).
-  x_in = halves_order(x_MxK, cfg.block_k) if cfg.dequant == "halves" else x_MxK
+  x_in = halves_order(x_MxK, cfg.block_k) if cfg.dequant in ("halves", "asm") else x_MxK
   return nvfp4_tile.launch(kernel, [x_in, *weight_operands], rows=m, cols=n, split=cfg.split, dtype=x_MxK.dtype,
                            grid=(num_m * num_n, cfg.split), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                            interpret=interpret, poison=poison, name="nvfp4_matmul_fwd")

@@ -85,8 +85,10 @@ mov.b32 c, {pow2};
 mov.b32 z, 0x80008000;
 prmt.b32 t0, $2, 0, 0x4140;
 prmt.b32 t1, $2, 0, 0x4342;
-shl.b32 a, t0, {sign_shift}; and.b32 a, a, 0x80008000; shl.b32 b, t0, {em_shift}; and.b32 b, b, {em_mask}; or.b32 $0, a, b;
-shl.b32 a, t1, {sign_shift}; and.b32 a, a, 0x80008000; shl.b32 b, t1, {em_shift}; and.b32 b, b, {em_mask}; or.b32 $1, a, b;
+shl.b32 a, t0, {sign_shift}; and.b32 a, a, 0x80008000;
+shl.b32 b, t0, {em_shift}; and.b32 b, b, {em_mask}; or.b32 $0, a, b;
+shl.b32 a, t1, {sign_shift}; and.b32 a, a, 0x80008000;
+shl.b32 b, t1, {em_shift}; and.b32 b, b, {em_mask}; or.b32 $1, a, b;
 fma.rn.{ty} $0, $0, c, z; fma.rn.{ty} $1, $1, c, z;
 fma.rn.{ty} $0, $0, $3, z; fma.rn.{ty} $1, $1, $4, z;
 }}"""
@@ -104,24 +106,23 @@ _ASM_BY_DTYPE = {
 }
 
 
-def dequant_tile_asm(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype) -> jax.Array:
-  """Like ``dequant_tile`` but decodes with inline PTX (GPU only), returning E2M1[code] * scale exactly.
+def dequant_halves_asm(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """Like ``dequant_halves`` but decoded by inline PTX (GPU only): (even, odd) planes equal to E2M1 * scale.
 
-  EXPERIMENTAL, KNOWN WRONG: on an H200 (jax 0.11.2, commit b65a594) kernels using it compiled but failed
-  the float32 check with relative error ~1. The bit logic is verified in NumPy (tests/test_kernels.py), so
-  the suspect is how Triton packs 8-bit / 16-bit elements into the asm's 32-bit registers for pack=4.
-  Guarded by QERL_KERNELS_EXPERIMENTAL_ASM=1 in ``Nvfp4MatmulConfig``.
+  Note the missing 1/64: use ``output_multiplier(gs, "asm")``. Per packed 32-bit word (4 bytes, 8 weights)
+  the PTX spends ~10 bit operations and 4 paired multiply-adds, against a conversion instruction or more per
+  weight on the e4m3 route. The planes must not be interleaved afterwards: measured on an H200 (7f1d80d),
+  joining two asm outputs and reshaping interleaves them by pairs (the 32-bit registers the asm writes), which
+  is what made the first, interleaving version of this decoder wrong; each plane alone is exact.
   """
-  from jax.experimental.pallas import triton as plgpu
+  from jax.experimental.pallas import triton as plgpu  # pylint: disable=import-outside-toplevel
 
-  r, kh = packed_RxKh.shape
   dtype = jnp.dtype(dtype)
-  scale = scale_RxKb.astype(dtype)
-  scale_RxKh = jnp.broadcast_to(scale[:, :, None], (r, kh // 8, 8)).reshape(r, kh)
-  lo, hi = (plgpu.elementwise_inline_asm(
+  scale = scale_RxKb.astype(dtype)  # one scale per 8 packed bytes (16 weights)
+  scale_RxKh = jnp.broadcast_to(scale[..., None], (*scale.shape, 8)).reshape(packed_RxKh.shape)
+  return tuple(plgpu.elementwise_inline_asm(
       _ASM_BY_DTYPE[(dtype.name, half)], args=[packed_RxKh, scale_RxKh], constraints="=r,=r,r,r,r",
-      pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct((r, kh), dtype)])[0] for half in ("lo", "hi"))
-  return jnp.stack([lo, hi], axis=-1).reshape(r, 2 * kh)
+      pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(packed_RxKh.shape, dtype)])[0] for half in ("lo", "hi"))
 
 
 def layer_operands(packed, scale, global_scale, layer) -> tuple[list, int]:
@@ -151,8 +152,9 @@ def drop_poison_ref(kernel, *refs):
 
 
 def decoder(dequant: str, interpret: bool) -> str:
-  """The tile decoder a launch uses: inline PTX cannot run in interpret mode, which decodes with jnp."""
-  return "jnp" if interpret and dequant == "asm" else dequant
+  """The tile decoder a launch uses: inline PTX cannot run in interpret mode, which decodes the same
+  "halves" layout with jnp."""
+  return "halves" if interpret and dequant == "asm" else dequant
 
 
 def launch(kernel, operands: list, *, rows: int, cols: int, split: int, dtype, grid: tuple[int, int],

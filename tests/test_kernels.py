@@ -253,7 +253,7 @@ def test_asm_decoder_bit_logic_in_numpy(dtype):
   for half, nib in (("lo", b & 15), ("hi", b >> 4)):
     asm = nvfp4_tile._ASM_BY_DTYPE[(dtype, half)]
     (sign_shift, em_shift, em_mask), = set(re.findall(
-        r"shl\.b32 a, t0, (\d+); and\.b32 a, a, 0x80008000; shl\.b32 b, t0, (\d+); and\.b32 b, b, (0x\w+)",
+        r"shl\.b32 a, t0, (\d+); and\.b32 a, a, 0x80008000;\s*shl\.b32 b, t0, (\d+); and\.b32 b, b, (0x\w+)",
         asm))
     pow2 = int(re.search(r"mov\.b32 c, (0x\w+)", asm).group(1), 16) & 0xFFFF
     r = (((t << int(sign_shift)) & 0x80008000) | ((t << int(em_shift)) & int(em_mask, 16))) & 0xFFFFFFFF
@@ -303,13 +303,23 @@ def test_halves_decoder_falls_back_where_a_half_tile_would_be_under_16_columns()
     Nvfp4MatmulConfig(dequant="nibbles")
 
 
-@pytest.mark.parametrize("fwd_config,bwd_config", [
-  # The "halves" decoder both ways; the gemv engine forward (15 rows <= GEMV_MAX_ROWS), the tile kernel back.
-  (Nvfp4MatmulConfig(block_m=16, block_n=16, block_k=64, dequant="halves"),
-   Nvfp4MatmulConfig(block_m=16, block_n=16, block_k=64, dequant="halves")),
-  (Nvfp4MatmulConfig(block_n=32, block_k=32, engine="gemv"), None),
-], ids=["halves", "gemv"])
-def test_decoders_and_engines_through_dispatch_and_grad(request, fwd_config, bwd_config):
+def _dispatch_configs(kind):
+  tile = dict(block_m=16, block_n=16, block_k=64)
+  gemv = dict(block_n=32, block_k=32, engine="gemv")
+  return {
+    # The "halves" decoder both ways; the gemv engine forward (15 rows <= GEMV_MAX_ROWS), the tile kernel back.
+    "halves": (Nvfp4MatmulConfig(**tile, dequant="halves"), Nvfp4MatmulConfig(**tile, dequant="halves")),
+    "gemv": (Nvfp4MatmulConfig(**gemv), None),
+    # "asm" (inline PTX on the GPU) runs its layout with the jnp decode in interpret mode: the plumbing.
+    "asm": (Nvfp4MatmulConfig(**tile, dequant="asm"), Nvfp4MatmulConfig(**tile, dequant="asm")),
+    "asm-gemv": (Nvfp4MatmulConfig(**gemv, dequant="asm"), None),
+  }[kind]
+
+
+@pytest.mark.parametrize("kind", ["halves", "gemv", "asm", "asm-gemv"])
+def test_decoders_and_engines_through_dispatch_and_grad(request, monkeypatch, kind):
+  monkeypatch.setenv("QERL_KERNELS_EXPERIMENTAL_ASM", "1")
+  fwd_config, bwd_config = _dispatch_configs(kind)
   rng = _rng(request)
   k, n = 128, 40
   q = _random_q(rng, k, n)
