@@ -228,7 +228,6 @@ def _ab_decoders(f, key, bf16_cache, bw, commit, device):
 
   A decoder that fails the float32 check counts as infinitely slow, so a broken one is never chosen.
   """
-  os.environ["QERL_KERNELS_EXPERIMENTAL_ASM"] = "1"
   total = {}
   for layer in ("gate_up", "down"):
     k, n = MODELS["7b"][layer]
@@ -311,8 +310,6 @@ def main(argv=None):
               cfg = config_lib.get_config(direction, rows, k, n, device)
               dq = choice.get((direction, rows <= 256), cfg.dequant)
               decoders = args.decoders.split(",") if args.decoders else [dq]
-              if "asm" in decoders:
-                os.environ["QERL_KERNELS_EXPERIMENTAL_ASM"] = "1"
               cands = [dataclasses.replace(cfg, dequant=d) for d in decoders]
               if args.gemv and direction == "fwd" and rows <= config_lib.GEMV_MAX_ROWS:
                 cands += GEMV_CANDIDATES

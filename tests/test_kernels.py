@@ -242,7 +242,7 @@ def test_configs_fit_every_shape():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_asm_decoder_bit_logic_in_numpy(dtype):
-  """Emulates the experimental PTX decoder's prmt/shift/mask steps for all 256 bytes (its constants are
+  """Emulates the PTX decoder's prmt/shift/mask steps for all 256 bytes (its constants are
   read back from the asm text), so a wrong constant fails here even though CI cannot run the asm."""
   import re
   from kernels import nvfp4_tile
@@ -261,12 +261,6 @@ def test_asm_decoder_bit_logic_in_numpy(dtype):
     for part in (r & 0xFFFF, r >> 16):
       got = part.astype(np.uint16).view(np_dtype).astype(np.float64) * mult
       np.testing.assert_array_equal(got, E2M1[nib.astype(np.int64)])
-
-
-def test_asm_decoder_is_guarded(monkeypatch):
-  monkeypatch.delenv("QERL_KERNELS_EXPERIMENTAL_ASM", raising=False)
-  with pytest.raises(ValueError, match="experimental"):
-    Nvfp4MatmulConfig(dequant="asm")
 
 
 def test_quantized_bf16_weight_fwd_and_grad_match_reference(request):
@@ -317,8 +311,7 @@ def _dispatch_configs(kind):
 
 
 @pytest.mark.parametrize("kind", ["halves", "gemv", "asm", "asm-gemv"])
-def test_decoders_and_engines_through_dispatch_and_grad(request, monkeypatch, kind):
-  monkeypatch.setenv("QERL_KERNELS_EXPERIMENTAL_ASM", "1")
+def test_decoders_and_engines_through_dispatch_and_grad(request, kind):
   fwd_config, bwd_config = _dispatch_configs(kind)
   rng = _rng(request)
   k, n = 128, 40
