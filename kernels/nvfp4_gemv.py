@@ -3,10 +3,12 @@
 At 1-2 rows the tensor-core kernel spends its time decoding weights into a tile laid out for the MMA (and
 Triton's layout conversions around it) only to multiply them by a mostly empty operand. Here each decoded
 weight is used directly: it is multiplied by its x element in float32 and summed, as a matrix-vector
-product does. Per weight that is a few bit operations, half a hardware e4m3 -> 16-bit conversion, one
-conversion to float32 and one fused multiply-add per row. On an H200 at 1 row that is 2.1x faster than the
-tile kernel but still decode-bound (21-37% of the weight-streaming floor); each extra row adds a multiply-add
-and an x load per weight, so at 8 rows the tile kernel wins (experiments/RESULTS.md).
+product does. Two decoders: the e4m3 route (a few bit operations, half a hardware e4m3 -> 16-bit
+conversion and one conversion to float32 per weight) and inline PTX (``dequant="asm"``: the two nibble planes
+as bf16 E2M1 * scale, from bit operations and paired multiply-adds on packed words), then one fused
+multiply-add per weight and row. On an H200 at 1 row the e4m3 route was 2.1x faster than the tile kernel but
+still decode-bound (21-37% of the weight-streaming floor); each extra row adds a multiply-add and an x load
+per weight, so at 8 rows the tile kernel wins (experiments/RESULTS.md).
 
 Layout: the packed weight [N, K/2] is viewed as [N, K/16, 8] (one NVFP4 block of 16 logical columns per
 8 bytes; byte j of block b holds columns 16b + 2j in its low nibble and 16b + 2j + 1 in its high one), and x

@@ -210,7 +210,10 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
   large = fused and quant == "nvfp4" and xla_min_rows is not None and most_rows >= xla_min_rows
   if quant != "bf16" and (not fused or large):
     dense = sum(k * n for k, n in shapes.values()) * it
-    dequant = 2 * dense // (sizes["fsdp"] * tensor)  # one layer's weights, forward and recompute
+    # One layer's weights at a time: the recomputed forward and the backward of a layer share them. On the
+    # H200 (7B, 10240-row update micro-batches on the XLA path, a78fc51) the peak was 0.4 GB below the
+    # fused-kernel run's, so no second dequantized layer is alive at the peak.
+    dequant = dense // (sizes["fsdp"] * tensor)
     notes.append("no fused kernel: one layer's weights are dequantized at a time" if not fused else
                  f"matmuls of {most_rows} rows >= xla_min_rows={xla_min_rows} dequantize one layer's weights "
                  "at a time")
