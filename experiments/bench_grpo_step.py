@@ -87,7 +87,7 @@ def run_one(args) -> dict:
   from qerl_jax.train.step import UpdateSettings, jit_logprobs, jit_update
 
   config = model_config(args.model).replace(remat=True, decode_attention=args.decode_attention,
-                                            decode_layers=args.decode_layers)
+                                            decode_layers=args.decode_layers, fused_lora=args.fused_lora)
   rows = args.prompts * args.samples
   mesh_spec = dict(zip(sharding.MESH_AXES, map(int, args.mesh.split(","))))
   mesh = None if all(v == 1 for v in mesh_spec.values()) else sharding.make_mesh(mesh_spec)
@@ -176,7 +176,7 @@ def run_one(args) -> dict:
     samples=args.samples, prompt_len=args.prompt_len, new_tokens=args.new_tokens, micro_batch=args.micro_batch,
     lora_rank=args.lora_rank, tokens_per_s=rows * args.new_tokens / timings["rollout_s"], xla_memory=xla_memory,
     device=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit(),
-    decode_attention=args.decode_attention, decode_layers=args.decode_layers)
+    decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora)
 
 
 def main():
@@ -199,6 +199,7 @@ def main():
                  help="one-token attention in the rollout (see bench_rollout.py)")
   p.add_argument("--decode-layers", default="unrolled", choices=["unrolled", "scan"],
                  help="the rollout's layer loop (see bench_rollout.py)")
+  p.add_argument("--fused-lora", action="store_true", help="bias and LoRA in the NVFP4 kernels' epilogue")
   p.add_argument("--out", default=None,
                  help="JSON lines file (default experiments/results/grpo_step.jsonl; with --smoke, none)")
   p.add_argument("--smoke", action="store_true", help="tiny model and lengths: checks the script runs (CPU)")
@@ -221,6 +222,7 @@ def main():
                    "vocab_chunk", "mesh", "steps", "decode_attention", "decode_layers"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
       cmd += ["--memory-analysis"] if args.memory_analysis else []
+      cmd += ["--fused-lora"] if args.fused_lora else []
       proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
       records = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RECORD ")]
       if proc.returncode or not records:

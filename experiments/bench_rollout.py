@@ -132,7 +132,8 @@ def run_one(args):
   from qerl_jax.rollout.engine import rollout
   from qerl_jax.rollout.sampling import SamplingParams
 
-  config = model_config(args.model).replace(decode_attention=args.decode_attention, decode_layers=args.decode_layers)
+  config = model_config(args.model).replace(decode_attention=args.decode_attention, decode_layers=args.decode_layers,
+                                            fused_lora=args.fused_lora)
   if args.variant == "unrolled":  # experiment: does the scan's per-layer dynamic slice cost a weight copy?
     # Replaces jax.lax.scan for this whole (single-run) subprocess; the only scan in a rollout is the model's
     # layer loop, so no other code is affected.
@@ -184,7 +185,7 @@ def _time_rollout(args, config, graphdef, state, weight_bytes, bw, batch):
               peak_gb=stats.get("peak_bytes_in_use", 0) / 1e9, weight_gb=weight_bytes / 1e9,
               floor_ms_per_step=floor_ms, copy_gbps=bw / 1e9, lora_rank=16, reps=args.reps,
               device=jax.devices()[0].device_kind, jax=jax.__version__, variant=args.variant,
-              decode_attention=args.decode_attention, decode_layers=args.decode_layers,
+              decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora,
               xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
@@ -246,6 +247,8 @@ def main():
                       "the stacked cache in place (kernels/decode_attention.py)")
   p.add_argument("--decode-layers", default="unrolled", choices=["unrolled", "scan"],
                  help="the rollout's layer loop (ModelConfig.decode_layers): per-layer buffers or the stacked scan")
+  p.add_argument("--fused-lora", action="store_true",
+                 help="NVFP4: bias and LoRA product in the matmul kernel's epilogue (ModelConfig.fused_lora)")
   p.add_argument("--xla-flag-sets", default="", metavar="SETS",
                  help="'|'-separated sets of XLA flags, one run of everything per set, each added to XLA_FLAGS "
                       "and recorded as xla_flags; e.g. '|--xla_gpu_enable_command_buffer=FUSION,CUBLAS,WHILE' "
@@ -274,7 +277,8 @@ def main():
     cmd = [sys.executable, os.path.abspath(__file__), "--one", "--model", model, "--quant", quant,
            "--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len), "--new-tokens",
            str(args.new_tokens), "--reps", str(args.reps), "--variant", args.variant,
-           "--decode-attention", args.decode_attention, "--decode-layers", args.decode_layers]
+           "--decode-attention", args.decode_attention, "--decode-layers", args.decode_layers,
+           *(["--fused-lora"] if args.fused_lora else [])]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:  # records arrive as each batch finishes, so a time-out keeps what ran
       if not line.startswith("RECORD "):

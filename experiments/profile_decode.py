@@ -88,7 +88,8 @@ def run(args):
   for quant in args.quants:
     base = synthetic_base(model_config(args.model), quant)
     for attention, layers in [(a, l) for l in args.decode_layers for a in args.decode_attention]:
-      config = model_config(args.model).replace(decode_attention=attention, decode_layers=layers)
+      config = model_config(args.model).replace(decode_attention=attention, decode_layers=layers,
+                                                fused_lora=args.fused_lora)
       model = Transformer(config, base, lora=LoraConfig(rank=16, alpha=16, dtype=jnp.bfloat16), rngs=nnx.Rngs(0))
       gs = nnx.split(model)
       decode = decode_program(SamplingParams(temperature=1.0))
@@ -111,6 +112,7 @@ def run(args):
           totals, busy, span = kernel_totals(d)
         kernel_ms = sum(totals.values()) / 1e3 / args.steps
         rec = dict(model=args.model, quant=quant, batch=batch, decode_attention=attention, decode_layers=layers,
+                   fused_lora=args.fused_lora,
                    steps=args.steps,
                    cache_len=args.cache_len, start=args.start, ms_per_step=ms_step, kernel_ms_per_step=kernel_ms,
                    span_ms_per_step=span / 1e3 / args.steps,
@@ -132,6 +134,7 @@ def main():
   p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
   p.add_argument("--decode-attention", nargs="+", default=["xla"], choices=["xla", "pallas"])
   p.add_argument("--decode-layers", nargs="+", default=["unrolled"], choices=["unrolled", "scan"])
+  p.add_argument("--fused-lora", action="store_true", help="bias and LoRA in the NVFP4 kernels' epilogue")
   p.add_argument("--cache-len", type=int, default=1280)
   p.add_argument("--start", type=int, default=768, help="first cache slot written (mid-rollout)")
   p.add_argument("--steps", type=int, default=16)

@@ -27,8 +27,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels import nvfp4_tile
+from kernels import nvfp4_epilogue, nvfp4_tile
 from kernels.config import GEMV_MAX_ROWS, Nvfp4MatmulConfig
+from kernels.nvfp4_epilogue import Epilogue
 
 
 def gemv_x_layout(x_MxK: jax.Array) -> jax.Array:
@@ -37,15 +38,17 @@ def gemv_x_layout(x_MxK: jax.Array) -> jax.Array:
   return x_MxK.astype(jnp.float32).reshape(m, k // 16, 8, 2).transpose(0, 3, 1, 2)
 
 
-def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_ref, *, n: int, rows: int, block_n: int,
-                      block_b: int, b_per_split: int, split: int, dequant: str = "jnp"):
+def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n: int, rows: int, block_n: int,
+                      block_b: int, b_per_split: int, split: int, dequant: str = "jnp",
+                      epilogue: Epilogue = Epilogue()):
   """One block_n slice of y for every row, over one split of the K blocks.
 
   x_ref f32 [M, 2, K/16, 8]; layer_ref int32 [1]; packed_ref uint8 [L*N, K/16, 8]; scale_ref e4m3
-  [L*N, K/16]; gs_ref f32 [L] (rows layer*N .. layer*N + N are this weight); o_ref [M, N] (x dtype) when
-  split == 1, else float32 partials [split, M, N]. dequant "asm" decodes with inline PTX (GPU only); any
-  other value with the e4m3 conversion.
+  [L*N, K/16]; gs_ref f32 [L] (rows layer*N .. layer*N + N are this weight); rest: the epilogue's refs
+  (``nvfp4_epilogue``), then o_ref [M, N] (x dtype) when split == 1, else float32 partials [split, M, N].
+  dequant "asm" decodes with inline PTX (GPU only); any other value with the e4m3 conversion.
   """
+  *epi_refs, o_ref = rest
   layer = layer_ref[0]
   pid_n = pl.program_id(0)
   pid_s = pl.program_id(1)
@@ -81,6 +84,9 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_ref, *,
   for r in range(rows):
     y_N = jnp.sum(accs[r], axis=-1) * multiplier
     row = jnp.int32(r)
+    if epilogue.num_refs:
+      extra = nvfp4_epilogue.term(epi_refs, epilogue, pl.ds(row, 1), None, cols, col_mask).reshape(block_n)
+      y_N = y_N + (extra if split == 1 else jnp.where(pid_s == 0, extra, 0.0))
     if split == 1:
       plgpu.store(o_ref.at[row, cols], y_N.astype(o_ref.dtype), mask=col_mask)
     else:
@@ -89,11 +95,13 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_ref, *,
 
 def nvfp4_gemv_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array, global_scale: jax.Array,
                       *, config: Nvfp4MatmulConfig, interpret: bool = False, poison: bool = False,
-                      layer=None) -> jax.Array:
+                      layer=None, epilogue=([], Epilogue())) -> jax.Array:
   """Launches the few-row kernel; returns y [M, N] in x's dtype (config: block_n, block_k, split, warps).
 
   The weight is one [N, K/2] tensor, or stacked [L, N, K/2] with ``layer`` picking one (read in place).
+  epilogue: (operands, Epilogue) from ``nvfp4_epilogue.operands``.
   """
+  epi_ops, epi = epilogue
   m, k = x_MxK.shape
   (layer_1, packed, scale, gs), n = nvfp4_tile.layer_operands(packed_NxKh, scale_NxKb, global_scale, layer)
   cfg = config
@@ -104,8 +112,8 @@ def nvfp4_gemv_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.
   kb = k // 16
   kernel = functools.partial(nvfp4_gemv_kernel, n=n, rows=m, block_n=cfg.block_n, block_b=cfg.block_k // 16,
                              b_per_split=kb // cfg.split, split=cfg.split,
-                             dequant=nvfp4_tile.decoder(cfg.dequant, interpret))
-  operands = [gemv_x_layout(x_MxK), layer_1, packed.reshape(packed.shape[0], kb, 8), scale, gs]
+                             dequant=nvfp4_tile.decoder(cfg.dequant, interpret), epilogue=epi)
+  operands = [gemv_x_layout(x_MxK), layer_1, packed.reshape(packed.shape[0], kb, 8), scale, gs, *epi_ops]
   return nvfp4_tile.launch(kernel, operands, rows=m, cols=n, split=cfg.split, dtype=x_MxK.dtype,
                            grid=(pl.cdiv(n, cfg.block_n), cfg.split), num_warps=cfg.num_warps,
                            num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_gemv")

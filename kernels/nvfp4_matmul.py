@@ -105,44 +105,56 @@ def _zero_cotangent(a: jax.Array):
   return np.zeros(a.shape, dtype=jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _pallas_matmul_2d(x_MxK, q, layer, fwd_cfg, bwd_cfg, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _pallas_matmul_2d(x_MxK, q, layer, xa_MxR, b_RxN, bias_N, fwd_cfg, bwd_cfg, interpret, lora_scale):
   return nvfp4_matmul_fwd_pallas(x_MxK, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=fwd_cfg,
-                                 interpret=interpret, layer=layer)
+                                 interpret=interpret, layer=layer, xa_MxR=xa_MxR, b_RxN=b_RxN, bias_N=bias_N,
+                                 lora_scale=lora_scale)
 
 
-def _pallas_matmul_2d_fwd(x_MxK, q, layer, fwd_cfg, bwd_cfg, interpret):
-  return _pallas_matmul_2d(x_MxK, q, layer, fwd_cfg, bwd_cfg, interpret), (q, layer)
+def _pallas_matmul_2d_fwd(x_MxK, q, layer, xa_MxR, b_RxN, bias_N, fwd_cfg, bwd_cfg, interpret, lora_scale):
+  y = _pallas_matmul_2d(x_MxK, q, layer, xa_MxR, b_RxN, bias_N, fwd_cfg, bwd_cfg, interpret, lora_scale)
+  return y, (q, layer, xa_MxR, b_RxN, bias_N)
 
 
-def _pallas_matmul_2d_bwd(fwd_cfg, bwd_cfg, interpret, res, dy_MxN):
-  q, layer = res
+def _pallas_matmul_2d_bwd(fwd_cfg, bwd_cfg, interpret, lora_scale, res, dy_MxN):
+  q, layer, xa_MxR, b_RxN, bias_N = res
   dx_MxK = nvfp4_matmul_bwd_pallas(dy_MxN, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=bwd_cfg,
                                    interpret=interpret, layer=layer)
-  return dx_MxK, jax.tree_util.tree_map(_zero_cotangent, q), _zero_cotangent(layer)
+  d_xa = d_b = d_bias = None
+  if xa_MxR is not None:  # the epilogue's adapter term, lora_scale * xa @ B, differentiated in XLA
+    dy = dy_MxN.astype(jnp.float32) * lora_scale
+    d_xa = (dy @ b_RxN.astype(jnp.float32).T).astype(xa_MxR.dtype)
+    d_b = (xa_MxR.astype(jnp.float32).T @ dy).astype(b_RxN.dtype)
+  if bias_N is not None:
+    d_bias = dy_MxN.astype(jnp.float32).sum(axis=0).astype(bias_N.dtype)
+  return dx_MxK, jax.tree_util.tree_map(_zero_cotangent, q), _zero_cotangent(layer), d_xa, d_b, d_bias
 
 
 _pallas_matmul_2d.defvjp(_pallas_matmul_2d_fwd, _pallas_matmul_2d_bwd)
 
 
-def _rows_over_mesh(fn, x_MxK: jax.Array, q: NVFP4Tensor) -> jax.Array:
-  """`fn(x, q)`, run per device on its rows when a mesh is set (`jax.set_mesh`) with batch axes > 1.
+def _rows_over_mesh(fn, x_MxK: jax.Array, q: NVFP4Tensor, xa_MxR=None, b_RxN=None, bias_N=None) -> jax.Array:
+  """`fn(x, q, xa, b, bias)`, run per device on its rows when a mesh is set (`jax.set_mesh`) with batch axes > 1.
 
   XLA has no partitioning rule for a Pallas call, so inside a sharded program it replicates the operands
   around it (x gathered, every row computed on every device). Under shard_map each device runs the kernel
   on its own rows (the batch axes of
   `qerl_jax.sharding`) with the whole weight, which XLA gathers from its FSDP shards as FSDP does; the
-  tensor axis, if any, computes the same rows on each of its devices.
+  tensor axis, if any, computes the same rows on each of its devices. xa (rows of x @ A) splits like x; the
+  adapter's B and the bias are whole on every device.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return fn(x_MxK, q)
+    return fn(x_MxK, q, xa_MxR, b_RxN, bias_N)
   axes = tuple(a for a in BATCH if a in mesh.axis_names and mesh.shape[a] > 1)
   shards = int(np.prod([mesh.shape[a] for a in axes]))
   if not axes or x_MxK.shape[0] % shards:
-    return fn(x_MxK, q)
+    return fn(x_MxK, q, xa_MxR, b_RxN, bias_N)
   rows = P(axes, None)
-  return jax.shard_map(fn, in_specs=(rows, P()), out_specs=rows, check_vma=False)(x_MxK, q)
+  specs = (rows, P(), None if xa_MxR is None else rows, None if b_RxN is None else P(),
+           None if bias_N is None else P())
+  return jax.shard_map(fn, in_specs=specs, out_specs=rows, check_vma=False)(x_MxK, q, xa_MxR, b_RxN, bias_N)
 
 
 def _layer_of(q: NVFP4Tensor, layer) -> NVFP4Tensor:
@@ -150,25 +162,42 @@ def _layer_of(q: NVFP4Tensor, layer) -> NVFP4Tensor:
   return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), q)
 
 
-@functools.partial(jax.jit, static_argnames=("implementation", "interpret", "fwd_config", "bwd_config"))
-def _nvfp4_matmul_jit(x, q, layer, *, implementation, interpret, fwd_config, bwd_config):
+@functools.partial(jax.jit, static_argnames=("implementation", "interpret", "fwd_config", "bwd_config",
+                                             "lora_scale"))
+def _nvfp4_matmul_jit(x, q, layer, xa, b, bias, *, implementation, interpret, fwd_config, bwd_config, lora_scale):
   if layer is not None and (implementation == "xla" or not jax.sharding.get_abstract_mesh().empty):
     # The XLA reference dequantizes one layer; under a mesh, shard_map gathers one layer, not the stack.
     q, layer = _layer_of(q, layer), None
-  if implementation == "xla":
-    return nvfp4_matmul_reference(x, q)
   k, n = q.shape
+  lead = x.shape[:-1]
+  xa_MxR = None if xa is None else xa.reshape(-1, xa.shape[-1])
+  if implementation == "xla":
+    return _reference_with_epilogue(x.reshape(-1, k), q, xa_MxR, b, bias, lora_scale).reshape(*lead, n)
   layer = jnp.int32(0) if layer is None else layer  # one weight is a stack of one
   # (A stacked q only reaches here without a mesh, where _rows_over_mesh calls the kernel directly.)
-  y_MxN = _rows_over_mesh(lambda x_MxK, q: _pallas_matmul_2d(x_MxK, q, layer, fwd_config, bwd_config, interpret),
-                          x.reshape(-1, k), q)
-  return y_MxN.reshape(*x.shape[:-1], n)
+  kernel = lambda x_MxK, q, xa_MxR, b_RxN, bias_N: _pallas_matmul_2d(  # noqa: E731
+      x_MxK, q, layer, xa_MxR, b_RxN, bias_N, fwd_config, bwd_config, interpret, lora_scale)
+  y_MxN = _rows_over_mesh(kernel, x.reshape(-1, k), q, xa_MxR, b, bias)
+  return y_MxN.reshape(*lead, n)
 
 
-def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor, *, layer=None, implementation: str | None = None,
+def _reference_with_epilogue(x_MxK, q, xa_MxR, b_RxN, bias_N, lora_scale):
+  """The XLA path with the kernels' epilogue: float32 sum of the three terms, rounded once."""
+  if xa_MxR is None and bias_N is None:
+    return nvfp4_matmul_reference(x_MxK, q)
+  y = jnp.matmul(x_MxK, quant.dequantize(q, x_MxK.dtype), preferred_element_type=jnp.float32)
+  if xa_MxR is not None:
+    y = y + lora_scale * (xa_MxR.astype(jnp.float32) @ b_RxN.astype(jnp.float32))
+  if bias_N is not None:
+    y = y + bias_N.astype(jnp.float32)
+  return y.astype(x_MxK.dtype)
+
+
+def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor, *, layer=None, bias: jax.Array | None = None,
+                 lora: tuple[jax.Array, jax.Array, float] | None = None, implementation: str | None = None,
                  interpret: bool = False, fwd_config: config_lib.Nvfp4MatmulConfig | None = None,
                  bwd_config: config_lib.Nvfp4MatmulConfig | None = None) -> jax.Array:
-  """y = x @ dequantize(q, x.dtype) without materializing the 16-bit weight.
+  """y = x @ dequantize(q, x.dtype) [+ bias + scale * xa @ B] without materializing the 16-bit weight.
 
   Args:
     x: activations [..., K], bf16 or fp16 for the kernels (other float dtypes use the XLA path).
@@ -180,12 +209,16 @@ def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor, *, layer=None, implementation: st
     implementation: "pallas" (fused Pallas/Triton kernels), "xla" (dequantize then dot), "triton"
       (reserved for a jax-triton kernel; not built, raises), or None for the fastest one available here
       (the kernels on a supported GPU below the device's measured ``xla_min_rows``, else XLA).
+    bias: optional [N], added in the kernels' epilogue.
+    lora: optional (xa [..., r] = x @ A, B [r, N], scale): scale * xa @ B is added in the epilogue, in
+      float32, so the output is rounded once (``kernels/nvfp4_epilogue.py``). Differentiable in xa and B.
     interpret: run the Pallas kernels in interpret mode (any backend, for tests).
     fwd_config / bwd_config: tile configs; None picks the tuned or heuristic one for the shape.
   Returns:
-    y [..., N] in x's dtype. Differentiable in x (the weight is treated as a constant).
+    y [..., N] in x's dtype. Differentiable in x, bias and the adapter (the weight is treated as a constant).
   """
   k, n = check_shapes(x.shape, x.dtype, q, layer)
+  xa, b, lora_scale = _check_epilogue(x.shape, n, bias, lora)
   m = int(np.prod(x.shape[:-1]))
   if implementation is None:
     implementation = "pallas" if interpret else default_implementation(x.dtype, m)
@@ -211,5 +244,19 @@ def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor, *, layer=None, implementation: st
       bwd_config = config_lib.get_config("bwd", m, k, n, kind)
     else:
       bwd_config = config_lib.fit(bwd_config, "bwd", m, k, n)
-  return _nvfp4_matmul_jit(x, q, layer, implementation=implementation, interpret=interpret,
-                           fwd_config=fwd_config, bwd_config=bwd_config)
+  return _nvfp4_matmul_jit(x, q, layer, xa, b, bias, implementation=implementation, interpret=interpret,
+                           fwd_config=fwd_config, bwd_config=bwd_config, lora_scale=lora_scale)
+
+
+def _check_epilogue(x_shape, n: int, bias, lora):
+  """(xa, B, scale) of a valid epilogue (None, None, 0.0 without an adapter); raises ValueError otherwise."""
+  if bias is not None and tuple(bias.shape) != (n,):
+    raise ValueError(f"bias.shape={tuple(bias.shape)} must be ({n},) for a weight with N={n}")
+  if lora is None:
+    return None, None, 0.0
+  xa, b, scale = lora
+  if xa.ndim != len(x_shape) or tuple(xa.shape[:-1]) != tuple(x_shape[:-1]):
+    raise ValueError(f"lora xa.shape={tuple(xa.shape)} must be x's leading dims {tuple(x_shape[:-1])} + (r,)")
+  if tuple(b.shape) != (xa.shape[-1], n):
+    raise ValueError(f"lora B.shape={tuple(b.shape)} must be (r={xa.shape[-1]}, N={n})")
+  return xa, b, float(scale)

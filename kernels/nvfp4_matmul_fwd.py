@@ -18,8 +18,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels import nvfp4_tile
+from kernels import nvfp4_epilogue, nvfp4_tile
 from kernels.config import Nvfp4MatmulConfig
+from kernels.nvfp4_epilogue import Epilogue
 from kernels.nvfp4_gemv import nvfp4_gemv_pallas
 
 
@@ -46,16 +47,18 @@ def logical_order(a_MxK: jax.Array, block_k: int) -> jax.Array:
   return a_MxK.reshape(m, k // block_k, 2, block_k // 2).swapaxes(2, 3).reshape(m, k)
 
 
-def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_ref, *, n: int, block_m: int,
+def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n: int, block_m: int,
                             block_n: int, block_k: int, k_per_split: int, group_m: int, split: int,
-                            dequant: str = "jnp"):
+                            dequant: str = "jnp", epilogue: Epilogue = Epilogue()):
   """One [block_m, block_n] output tile over one contraction split.
 
   x_ref [M, K] (with dequant "halves" or "asm", each block_k run of columns holds the run's even columns,
   then its odd ones: see ``halves_order``); layer_ref int32 [1]; packed_ref uint8 [L*N, K/2]; scale_ref e4m3
   [L*N, K/16]; gs_ref f32 [L] (``nvfp4_tile.layer_operands``: rows layer*N .. layer*N + N are this weight);
-  o_ref [M, N] (x dtype) when split == 1, else float32 partials [split, M, N].
+  rest: the epilogue's refs (``nvfp4_epilogue``), then o_ref [M, N] (x dtype) when split == 1, else float32
+  partials [split, M, N].
   """
+  *epi_refs, o_ref = rest
   m, _ = x_ref.shape
   layer = layer_ref[0]
   num_m = pl.cdiv(m, block_m)
@@ -91,6 +94,10 @@ def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_r
   acc_NxM = jax.lax.fori_loop(0, k_per_split // block_k, body,
                               jnp.zeros((block_n, block_m), jnp.float32))
   y_MxN = acc_NxM.T * nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
+  if epilogue.num_refs:
+    extra = nvfp4_epilogue.term(epi_refs, epilogue, pl.ds(pid_m * block_m, block_m), row_mask,
+                                pl.ds(pid_n * block_n, block_n), col_mask)
+    y_MxN = y_MxN + (extra if split == 1 else jnp.where(pid_s == 0, extra, 0.0))
   mask = row_mask[:, None] & col_mask[None, :]
   if split == 1:
     plgpu.store(o_ref.at[pl.ds(pid_m * block_m, block_m), pl.ds(pid_n * block_n, block_n)],
@@ -102,16 +109,19 @@ def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_r
 
 def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array,
                             global_scale: jax.Array, *, config: Nvfp4MatmulConfig,
-                            interpret: bool = False, poison: bool = False, layer=None) -> jax.Array:
+                            interpret: bool = False, poison: bool = False, layer=None, xa_MxR=None, b_RxN=None,
+                            bias_N=None, lora_scale: float = 0.0) -> jax.Array:
   """Builds the grid and launches the forward kernel (or, for config.engine == "gemv", the few-row kernel of
   ``nvfp4_gemv``); returns y [M, N] in x's dtype.
 
   The weight is one [N, K/2] tensor, or stacked [L, N, K/2] with ``layer`` picking one (read in place).
+  xa_MxR, b_RxN, bias_N, lora_scale: the epilogue, y += bias + lora_scale * xa @ B (``nvfp4_epilogue``).
   poison: start from a NaN-filled output (aliased in place), so a tile the kernel fails to write shows up.
   """
+  epi_ops, epi = nvfp4_epilogue.operands(xa_MxR, b_RxN, bias_N, lora_scale)
   if config.engine == "gemv":
     return nvfp4_gemv_pallas(x_MxK, packed_NxKh, scale_NxKb, global_scale, config=config, interpret=interpret,
-                             poison=poison, layer=layer)
+                             poison=poison, layer=layer, epilogue=(epi_ops, epi))
   m, k = x_MxK.shape
   weight_operands, n = nvfp4_tile.layer_operands(packed_NxKh, scale_NxKb, global_scale, layer)
   cfg = config
@@ -122,9 +132,9 @@ def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb
   kernel = functools.partial(
       nvfp4_matmul_fwd_kernel, n=n, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
       k_per_split=k // cfg.split, group_m=cfg.group_m, split=cfg.split,
-      dequant=nvfp4_tile.decoder(cfg.dequant, interpret))
+      dequant=nvfp4_tile.decoder(cfg.dequant, interpret), epilogue=epi)
   # "halves": a reordered copy of x (small next to the weight it multiplies).
   x_in = halves_order(x_MxK, cfg.block_k) if cfg.dequant in ("halves", "asm") else x_MxK
-  return nvfp4_tile.launch(kernel, [x_in, *weight_operands], rows=m, cols=n, split=cfg.split, dtype=x_MxK.dtype,
-                           grid=(num_m * num_n, cfg.split), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                           interpret=interpret, poison=poison, name="nvfp4_matmul_fwd")
+  return nvfp4_tile.launch(kernel, [x_in, *weight_operands, *epi_ops], rows=m, cols=n, split=cfg.split,
+                           dtype=x_MxK.dtype, grid=(num_m * num_n, cfg.split), num_warps=cfg.num_warps,
+                           num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_matmul_fwd")

@@ -79,3 +79,38 @@ def test_bench_grpo_step_smoke_writes_the_phase_split(tmp_path):
                   "commit", "device", "loss", "plan_gb"):
       assert field in r, field
     assert r["step_s"] >= r["rollout_s"] > 0 and r["commit"] == "test"
+
+
+def test_profile_decode_sums_stream_kernels_only(tmp_path):
+  # The parser counts kernels on the GPU's stream lines, not the "XLA Ops" line that repeats them, nor host
+  # events; and the script runs end to end (on the CPU its traces hold no GPU kernels).
+  import gzip
+  from experiments import profile_decode
+  run = tmp_path / "plugins" / "profile" / "run"
+  run.mkdir(parents=True)
+  events = [
+    {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+    {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #13(Compute)"}},
+    {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}},
+    {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+    {"ph": "X", "pid": 1, "tid": 7, "ts": 10.0, "dur": 5.0, "name": "nvfp4_gemv"},
+    {"ph": "X", "pid": 1, "tid": 7, "ts": 20.0, "dur": 3.0, "name": "nvfp4_gemv"},
+    {"ph": "X", "pid": 1, "tid": 7, "ts": 30.0, "dur": 2.0, "name": "loop_add_fusion"},
+    {"ph": "X", "pid": 1, "tid": 8, "ts": 10.0, "dur": 5.0, "name": "fusion.1"},
+    {"ph": "X", "pid": 2, "tid": 9, "ts": 0.0, "dur": 99.0, "name": "PjitFunction"},
+  ]
+  with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  totals, busy, span = profile_decode.kernel_totals(str(tmp_path))
+  assert totals == {"nvfp4_gemv": 8.0, "loop_add_fusion": 2.0}
+  assert busy == {"Stream #13(Compute)": 10.0, "XLA Ops": 5.0} and span == 22.0
+
+  out = tmp_path / "profile.json"
+  subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "profile_decode.py"), "--model", "smoke",
+                  "--quants", "bf16", "nvfp4", "--batches", "2", "--decode-layers", "unrolled", "scan",
+                  "--cache-len", "48", "--start", "32", "--steps", "2", "--reps", "1", "--out", str(out)],
+                 check=True, cwd=ROOT, env=dict(os.environ, QERL_COMMIT="test"), capture_output=True, text=True)
+  records = json.loads(out.read_text())
+  assert {(r["quant"], r["decode_layers"]) for r in records} == {
+    ("bf16", "unrolled"), ("bf16", "scan"), ("nvfp4", "unrolled"), ("nvfp4", "scan")}
+  assert all(r["ms_per_step"] > 0 and r["commit"] == "test" for r in records)

@@ -267,6 +267,43 @@ def test_nvfp4_layers_reach_the_kernels_whole_and_give_the_xla_logits(monkeypatc
   assert "u8[192,32]" in jaxpr and "u8[128,48]" in jaxpr
 
 
+def test_fused_lora_epilogue_gives_the_same_logits_and_adapter_gradients(monkeypatch):
+  # config.fused_lora: NVFP4 projections add the bias and (x @ A) @ B inside the matmul (kernels' epilogue);
+  # logits and the adapters' gradients equal the unfused model's, on the XLA path and through the kernels
+  # (interpret mode). Biases (q/k/v) and nonzero adapters on all seven projections take part.
+  import kernels
+  seed = fresh_seed()
+  config = tiny_config(dtype="bfloat16")
+  model = random_model(config, seed, quant="nvfp4")
+  tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 128, (2, 6)))
+  params = model.params()
+
+  names = ("q_proj", "gate_proj", "down_proj")
+
+  def loss(bs, cfg):
+    layers = {**params["layers"], **{n: {**params["layers"][n], "lora_b": bs[n]} for n in names}}
+    return jnp.mean(forward({**params, "layers": layers}, cfg, model.lora_scale, tokens)[..., :8] ** 2)
+
+  def lora_grads(cfg):
+    g = jax.jit(jax.grad(lambda bs: loss(bs, cfg)))({n: params["layers"][n]["lora_b"] for n in names})
+    return {n: np.asarray(g[n], np.float32) for n in names}
+
+  plain = np.asarray(jax.jit(lambda p: forward(p, config, model.lora_scale, tokens))(params))
+  plain_grads = lora_grads(config)
+  fused_cfg = config.replace(fused_lora=True)
+  runs = {"xla": None, "kernels": functools.partial(kernels.nvfp4_matmul, interpret=True)}
+  for name, patched in runs.items():
+    if patched is not None:
+      monkeypatch.setattr(kernels, "nvfp4_matmul", patched)
+    fused = np.asarray(jax.jit(lambda p: forward(p, fused_cfg, model.lora_scale, tokens))(params))
+    scale = np.abs(plain).max()
+    np.testing.assert_allclose(fused, plain, atol=0.03 * scale, err_msg=f"{name} {seed=}")
+    for proj, g in lora_grads(fused_cfg).items():
+      np.testing.assert_allclose(g, plain_grads[proj], atol=0.05 * np.abs(plain_grads[proj]).max(),
+                                 err_msg=f"{name} {proj} {seed=}")
+      assert np.abs(plain_grads[proj]).max() > 0
+
+
 def test_pallas_decode_attention_gives_the_xla_decode_logits(model_and_seed):
   # The same weights with decode_attention="pallas": one-token steps read the stacked cache in place
   # (kernels.decode_attention, interpret mode here); prefill and logits match the XLA path.

@@ -331,8 +331,29 @@ def _main_kernel():
     text = str(jax.make_jaxpr(f)(xs, jnp.int32(1)))
     y = jax.jit(f)(xs, jnp.int32(1))
   np.testing.assert_allclose(np.asarray(y, np.float64), y_ref, atol=2e-2 * np.abs(y_ref).max())
+  # With the epilogue (bias + scale * xa @ B): xa splits over rows like x; values and all four gradients
+  # match the unsharded XLA path.
+  xa = jnp.asarray(rng.standard_normal((8, 4)), jnp.float32)
+  b = jnp.asarray(rng.standard_normal((4, 48)), jnp.float32)
+  bias = jnp.asarray(rng.standard_normal((48,)), jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((8, 48)), jnp.float32)  # a linear loss: gradients free of y's rounding
+
+  def epi_loss(impl, x, xa, b, bias):
+    y = kernels.nvfp4_matmul(x, q, bias=bias, lora=(xa, b, 0.5), implementation=impl, interpret=impl == "pallas")
+    return jnp.sum(y.astype(jnp.float32) * dy)
+
+  want = jax.grad(lambda *a: epi_loss("xla", *a), argnums=(0, 1, 2, 3))(x, xa, b, bias)
+  with sharding.mesh_context(mesh):
+    rows_spec = NamedSharding(mesh, P(("data", "fsdp")))
+    xs, xas = jax.device_put(x, rows_spec), jax.device_put(xa, rows_spec)
+    epi_text = str(jax.make_jaxpr(lambda *a: epi_loss("pallas", *a))(xs, xas, b, bias))
+    got = jax.jit(jax.grad(lambda *a: epi_loss("pallas", *a), argnums=(0, 1, 2, 3)))(xs, xas, b, bias)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64),
+                               atol=3e-2 * np.abs(np.asarray(w, np.float64)).max())
   print(json.dumps({"devices": jax.device_count(), "mapped_8_rows": out[8], "mapped_6_rows": out[6],
-                    "mapped_without_mesh": "shard_map" in plain, "mapped_stacked": "shard_map" in text}))
+                    "mapped_without_mesh": "shard_map" in plain, "mapped_stacked": "shard_map" in text,
+                    "mapped_epilogue": "shard_map" in epi_text}))
 
 
 if __name__ == "__main__":
@@ -360,7 +381,7 @@ def test_fused_kernel_maps_over_rows_under_a_mesh():
   proc = _run_on_8_devices(os.path.abspath(__file__), "kernel")
   result = json.loads(proc.stdout.strip().splitlines()[-1])
   assert result == {"devices": 8, "mapped_8_rows": True, "mapped_6_rows": False, "mapped_without_mesh": False,
-                    "mapped_stacked": True}
+                    "mapped_stacked": True, "mapped_epilogue": True}
 
 
 def test_trainer_runs_on_a_data_fsdp_tensor_mesh(tmp_path):

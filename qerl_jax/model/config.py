@@ -65,6 +65,9 @@ class ModelConfig:
   # arrays inside the step, which costs XLA a copy of each slice per token (the whole bf16 weight set per
   # token on an H200: experiments/RESULTS.md) but no extra memory.
   decode_layers: str = "unrolled"
+  # NVFP4 projections add their bias and LoRA product in the matmul kernel's epilogue (one kernel instead of
+  # several small ones per projection; kernels/nvfp4_epilogue.py). Off until measured on a GPU.
+  fused_lora: bool = False
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None

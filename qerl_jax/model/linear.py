@@ -134,9 +134,24 @@ def lora_delta(x_BxTxK: jax.Array, a_KxR: jax.Array, b_RxN: jax.Array, scale: fl
   return (y * scale).astype(x_BxTxK.dtype)
 
 
-def linear(x_BxTxK: jax.Array, p: dict[str, Any], lora_scale: float) -> jax.Array:
-  """One projection from its parameter dict {"w", optional "b", optional "lora_a"/"lora_b"}."""
-  y = base_matmul(x_BxTxK, p["w"])
+def linear(x_BxTxK: jax.Array, p: dict[str, Any], lora_scale: float, fused: bool = False) -> jax.Array:
+  """One projection from its parameter dict {"w", optional "b", optional "lora_a"/"lora_b"}.
+
+  fused: with an NVFP4 weight, add the bias and the adapter's (x @ A) @ B inside the matmul kernel's
+  epilogue (`kernels.nvfp4_matmul(..., bias=, lora=)`), in float32 with one rounding, instead of as separate
+  XLA operations; x @ A stays in XLA. Other weights ignore it.
+  """
+  w = p["w"]
+  if fused and isinstance(w, (LayerOf, qtypes.NVFP4Tensor)):
+    from kernels import nvfp4_matmul  # pylint: disable=import-outside-toplevel
+    lora = None
+    if p.get("lora_a") is not None:  # PEFT's order: x @ A in the adapter's dtype, cast to B's dtype
+      a_KxR, b_RxN = p["lora_a"], p["lora_b"]
+      xa = jnp.einsum("...k,kr->...r", x_BxTxK.astype(a_KxR.dtype), a_KxR, preferred_element_type=jnp.float32)
+      lora = (xa.astype(b_RxN.dtype), b_RxN, lora_scale)
+    stacked, layer = (w.stacked, w.layer) if isinstance(w, LayerOf) else (w, None)
+    return nvfp4_matmul(x_BxTxK, stacked, layer=layer, bias=p.get("b"), lora=lora)
+  y = base_matmul(x_BxTxK, w)
   if p.get("b") is not None:
     y = y + p["b"].astype(y.dtype)
   if p.get("lora_a") is not None:

@@ -67,10 +67,11 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
   `layer`, or this layer's own (k, v) [B, S, Hkv, Dh]."""
   b, t, _ = x_BxTxD.shape
   eps = config.rms_norm_eps
+  fused = config.fused_lora
   h = attn.rms_norm(x_BxTxD, p["input_layernorm"], eps, noise.get("input_layernorm"))
-  q = linear(h, p["q_proj"], lora_scale).reshape(b, t, config.num_heads, config.head_dim)
-  k = linear(h, p["k_proj"], lora_scale).reshape(b, t, config.num_kv_heads, config.head_dim)
-  v = linear(h, p["v_proj"], lora_scale).reshape(b, t, config.num_kv_heads, config.head_dim)
+  q = linear(h, p["q_proj"], lora_scale, fused).reshape(b, t, config.num_heads, config.head_dim)
+  k = linear(h, p["k_proj"], lora_scale, fused).reshape(b, t, config.num_kv_heads, config.head_dim)
+  v = linear(h, p["v_proj"], lora_scale, fused).reshape(b, t, config.num_kv_heads, config.head_dim)
   if config.qk_norm:
     q = attn.rms_norm(q, p["q_norm"], eps, noise.get("q_norm"))
     k = attn.rms_norm(k, p["k_norm"], eps, noise.get("k_norm"))
@@ -97,12 +98,12 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
       # queries can see at all, so a prefill attends over the prompt, not the whole response budget.
       k_all, v_all = k_all[:, :mask_BxTxS.shape[-1]], v_all[:, :mask_BxTxS.shape[-1]]
       o = attn.attend(q, k_all, v_all, mask_BxTxS, config.attn_query_chunk)
-  x_BxTxD = x_BxTxD + linear(o, p["o_proj"], lora_scale)
+  x_BxTxD = x_BxTxD + linear(o, p["o_proj"], lora_scale, fused)
   h = attn.rms_norm(x_BxTxD, p["post_attention_layernorm"], eps, noise.get("post_attention_layernorm"))
-  g = linear(h, p["gate_proj"], lora_scale).astype(jnp.float32)
-  u = linear(h, p["up_proj"], lora_scale).astype(jnp.float32)
+  g = linear(h, p["gate_proj"], lora_scale, fused).astype(jnp.float32)
+  u = linear(h, p["up_proj"], lora_scale, fused).astype(jnp.float32)
   m = (jax.nn.silu(g) * u).astype(x_BxTxD.dtype)
-  x_BxTxD = x_BxTxD + linear(m, p["down_proj"], lora_scale)
+  x_BxTxD = x_BxTxD + linear(m, p["down_proj"], lora_scale, fused)
   return x_BxTxD, kv
 
 

@@ -103,8 +103,9 @@ def build_model(config, mesh=None):
   With a `mesh`, a checkpoint's base is loaded straight into its shards (no device holds all of it).
   """
   model, tokenizer = _build_model(config, mesh)
-  # A runtime choice of the rollout, not of the architecture: set on the built model's config.
-  model.config = model.config.replace(decode_layers=config.model.get("decode_layers", "unrolled"))
+  # Runtime choices, not architecture: set on the built model's config.
+  model.config = model.config.replace(decode_layers=config.model.get("decode_layers", "unrolled"),
+                                      fused_lora=bool(config.model.get("fused_lora", False)))
   return model, tokenizer
 
 
