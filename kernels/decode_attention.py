@@ -1,11 +1,13 @@
-"""Decode attention (one new token per row) over the model's stacked KV cache, read in place.
+"""Decode attention (one new token per row) over a stacked KV cache, read in place, up to the causal limit.
 
-The model keeps its cache as k, v [L, B, S, Hkv, Dh] and attends layer l's part of it. Taken out with a
-dynamic slice, that part may be copied before XLA's attention dots, as each layer's weights were
-(experiments/RESULTS.md: 2 x 84 MB per layer per token at 64 rows and 1280 slots, if so). This kernel reads
-layer l of the stack where it lies. Flash-decoding: the grid is (row x kv head, split of the slots); each
-program keeps an online softmax for the G = H / Hkv query heads that share its kv head (padded to the 16
-rows a tensor-core dot needs), and XLA merges the splits' normalized outputs by their log-sum-exps.
+With the model's stacked cache (k, v [L, B, S, Hkv, Dh], `decode_layers="scan"`), XLA copies layer l's
+dynamic slice before its attention dots (measured on an H200: ~3 ms per 7B decode step at 64 rows and 1280
+slots, experiments/RESULTS.md); this kernel reads layer l of the stack where it lies. The unrolled decode
+loop keeps one cache per layer and passes it as a stack of one. Either way a decode step only reads the
+blocks before the token's own slot + 1 (``num_visible``), not the whole response budget. Flash-decoding: the
+grid is (row x kv head, split of the slots); each program keeps an online softmax for the G = H / Hkv query
+heads that share its kv head (padded to the 16 rows a tensor-core dot needs), and XLA merges the splits'
+normalized outputs by their log-sum-exps.
 
 Numerics follow `qerl_jax.model.attention`: float32 scores scaled by Dh**-0.5, masked scores set to the same
 large negative finite number (a row with nothing visible gives finite garbage, not NaN), probabilities cast
@@ -26,11 +28,13 @@ _MASKED = -0.7 * float(np.finfo(np.float32).max)
 _MIN_DOT_ROWS = 16  # Triton's tensor-core dots need at least 16 rows
 
 
-def decode_attention_kernel(q_ref, layer_ref, mask_ref, k_ref, v_ref, o_ref, lse_ref, *, batch: int, seq: int,
-                            cache_len: int, kv_heads: int, head_dim: int, block_s: int, blocks_per_split: int):
-  """One (row, kv head) over one split of the slots.
+def decode_attention_kernel(q_ref, layer_ref, visible_ref, mask_ref, k_ref, v_ref, o_ref, lse_ref, *, batch: int,
+                            seq: int, cache_len: int, kv_heads: int, head_dim: int, block_s: int,
+                            blocks_per_split: int):
+  """One (row, kv head) over one split of the slots, up to the last visible one.
 
-  q_ref [B, Hkv, Gp, Dh]; layer_ref int32 [1]; mask_ref int32 [B, S] (nonzero: visible); k_ref, v_ref
+  q_ref [B, Hkv, Gp, Dh]; layer_ref int32 [1]; visible_ref int32 [1] (slots from it on are invisible to every
+  row: their blocks are not read); mask_ref int32 [B, S] (nonzero: visible); k_ref, v_ref
   [L * B * cache_len, Hkv * Dh] (the stacked cache, rows (l * B + b) * cache_len + s); o_ref float32
   [splits, B, Hkv, Gp, Dh] (this split's softmax-normalized output); lse_ref float32 [splits, B, Hkv, Gp].
   """
@@ -66,20 +70,30 @@ def decode_attention_kernel(q_ref, layer_ref, mask_ref, k_ref, v_ref, o_ref, lse
 
   init = (jnp.full((gp,), _MASKED, jnp.float32), jnp.zeros((gp,), jnp.float32),
           jnp.zeros((gp, head_dim), jnp.float32))
-  m_G, l_G, acc_GxD = jax.lax.fori_loop(0, blocks_per_split, body, init)
-  # Every split holds at least one in-range slot, so l_G >= 1 (the maximum contributes exp(0)).
-  plgpu.store(o_ref.at[split, b, h, pl.ds(0, gp), pl.ds(0, head_dim)], acc_GxD / l_G[:, None])
-  plgpu.store(lse_ref.at[split, b, h, pl.ds(0, gp)], m_G + jnp.log(l_G))
+  # Blocks of this split that start before the first invisible slot (a rollout at step i reads P + i slots,
+  # not the whole response budget).
+  first = split * blocks_per_split * block_s
+  blocks = jnp.clip((visible_ref[0] - first + block_s - 1) // block_s, 0, blocks_per_split)
+  m_G, l_G, acc_GxD = jax.lax.fori_loop(0, blocks, body, init)
+  # A split that read a block has l_G >= 1 (its maximum contributes exp(0)); one that read none contributes
+  # nothing to the merge: output 0 with a log-sum-exp far below any real one.
+  read = l_G > 0
+  plgpu.store(o_ref.at[split, b, h, pl.ds(0, gp), pl.ds(0, head_dim)],
+              acc_GxD / jnp.where(read, l_G, 1.0)[:, None])
+  plgpu.store(lse_ref.at[split, b, h, pl.ds(0, gp)], jnp.where(read, m_G + jnp.log(jnp.where(read, l_G, 1.0)),
+                                                               _MASKED))
 
 
 def decode_attention(q_BxHxD: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, mask_BxS: jax.Array, *,
-                     block_s: int = 64, splits: int | None = None, num_warps: int = 4,
+                     num_visible=None, block_s: int = 64, splits: int | None = None, num_warps: int = 4,
                      interpret: bool = False) -> jax.Array:
   """Attention of one query per row over layer ``layer`` of a stacked cache; returns [B, H * Dh] in q's dtype.
 
   q_BxHxD: the new token's query heads. k_cache, v_cache: [L, B, C, Hkv, Dh] (C >= S). layer: int32 scalar
-  (may be traced). mask_BxS: bool, slot s of row b is visible (S <= C: later slots are never read). splits:
-  slot splits per (row, kv head) (None: enough programs for every SM, at most one per block).
+  (may be traced). mask_BxS: bool, slot s of row b is visible (S <= C: later slots are never read).
+  num_visible: int32 scalar (may be traced) or None (= S): slots from it on must be invisible in every row
+  (the caller's promise, e.g. a decode step's causal limit); their blocks are skipped. splits: slot splits per
+  (row, kv head) (None: enough programs for every SM, at most one per block).
   """
   b, h, d = q_BxHxD.shape
   num_layers, cb, cache_len, kvh, cd = k_cache.shape
@@ -100,6 +114,7 @@ def decode_attention(q_BxHxD: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   q = q_BxHxD.reshape(b, kvh, g, d)
   q = jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
   layer_1 = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+  visible_1 = jnp.reshape(jnp.asarray(seq if num_visible is None else num_visible, jnp.int32), (1,))
   k2 = k_cache.reshape(num_layers * b * cache_len, kvh * d)
   v2 = v_cache.reshape(num_layers * b * cache_len, kvh * d)
   kernel = functools.partial(decode_attention_kernel, batch=b, seq=seq, cache_len=cache_len, kv_heads=kvh,
@@ -112,7 +127,7 @@ def decode_attention(q_BxHxD: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
       interpret=interpret,
       name="decode_attention",
-  )(q, layer_1, mask_BxS.astype(jnp.int32), k2, v2)
+  )(q, layer_1, visible_1, mask_BxS.astype(jnp.int32), k2, v2)
   weights = jax.nn.softmax(lse, axis=0)[..., None]  # merge the splits by their log-sum-exps
   out = jnp.sum(weights * o_part, axis=0)[:, :, :g]
   return out.reshape(b, h * d).astype(q_BxHxD.dtype)

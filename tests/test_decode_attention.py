@@ -41,6 +41,26 @@ def test_decode_attention_matches_the_models_attention(request, num_layers, b, h
   assert np.abs(np.asarray(other, np.float32) - np.asarray(got, np.float32)).max() > 0.1  # layers differ
 
 
+@pytest.mark.parametrize("num_visible,splits", [(37, None), (33, 4), (1, 3), (200, 2)])
+def test_blocks_past_the_visible_slots_are_not_read(request, num_visible, splits):
+  # Slots from num_visible on are invisible (a decode step's causal limit); NaN in k and v from the first
+  # block wholly past it would poison any block that read them (0 x NaN = NaN), so a finite result equal to
+  # the XLA attention shows those blocks were skipped, including whole splits past the limit.
+  q, k, v, _ = _case(request.node.name, 1, 2, 28, 4, 64, 200, 200)
+  rng = np.random.default_rng(zlib.crc32(request.node.name.encode()) + 1)
+  mask = np.zeros((2, 200), bool)
+  mask[0, :num_visible] = True
+  mask[1, rng.integers(0, num_visible):num_visible] = True  # left padding on row 1
+  mask = jnp.asarray(mask)
+  want = attn.attend(q[:, None], k[0], v[0], mask[:, None, :])[:, 0]
+  past = -(-num_visible // 16) * 16  # block_s = 16: the block holding the limit is read, masked
+  k, v = (a.at[:, :, past:].set(jnp.nan) for a in (k, v))
+  got = decode_attention(q, k, v, 0, mask, num_visible=jnp.int32(num_visible), block_s=16, splits=splits,
+                         interpret=True)
+  assert np.isfinite(np.asarray(got, np.float32)).all()
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+
+
 def test_decode_attention_rejects_shapes_that_do_not_fit():
   q = jnp.zeros((2, 8, 32), jnp.bfloat16)
   k = jnp.zeros((2, 2, 40, 4, 32), jnp.bfloat16)

@@ -38,6 +38,24 @@ def test_unrolled_and_scanned_decode_sample_the_same_tokens(quant, remat):
   assert float(jnp.abs(outs["scan"].logprobs_BxN).sum()) > 0
 
 
+def test_pallas_decode_attention_on_per_layer_caches_samples_the_same_tokens():
+  # The unrolled loop hands the kernel each layer's own cache (as a stack of one) and the causal limit;
+  # the samples equal XLA attention's (interpret mode here).
+  seed = fresh_seed()
+  config = tiny_config()  # float32: the two attentions agree to ~1e-6, so no sample can flip
+  model = random_model(config, seed)
+  rng = np.random.default_rng(seed)
+  prompt = jnp.asarray(rng.integers(1, config.vocab_size, (2, 5)), jnp.int32)
+  valid = jnp.asarray(np.arange(5)[None, :] >= np.array([[0], [3]]))
+  key = jax.random.key(seed)
+  outs = {}
+  for attention in ("xla", "pallas"):
+    model.config = config.replace(decode_attention=attention)
+    outs[attention] = _rollout(model, prompt, valid, key, None)
+  np.testing.assert_array_equal(outs["pallas"].tokens_BxN, outs["xla"].tokens_BxN)
+  np.testing.assert_allclose(outs["pallas"].logprobs_BxN, outs["xla"].logprobs_BxN, rtol=1e-4, atol=1e-4)
+
+
 def _while_bodies(jaxpr):
   """The body jaxprs of every while loop in a (closed) jaxpr, searched through nested calls."""
   found = []

@@ -56,8 +56,9 @@ class ModelConfig:
   remat_policy: str = "nothing_saveable"  # a name in jax.checkpoint_policies
   # Queries per attention block for long sequences (0: all at once); see attention.attend.
   attn_query_chunk: int = 1024
-  # One-token decode steps: "xla" (attention.attend over the layer's slice of the cache) or "pallas"
-  # (kernels.decode_attention reads the layer of the stacked cache in place; interpret mode off the GPU).
+  # One-token decode steps: "xla" (attention.attend over the layer's whole cache) or "pallas"
+  # (kernels.decode_attention reads the layer's cache in place, up to the token's own slot; interpret mode
+  # off the GPU).
   decode_attention: str = "xla"
   # The rollout's layer loop (`qerl_jax.rollout.engine`): "unrolled" copies, once per rollout, every layer
   # parameter the NVFP4 kernels cannot read in place (16-bit weights, adapters, norms, biases) into its own
