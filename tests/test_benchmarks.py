@@ -83,7 +83,7 @@ def test_bench_grpo_step_smoke_writes_the_phase_split(tmp_path):
 
 def test_profile_decode_sums_stream_kernels_only(tmp_path):
   # The parser counts kernels on the GPU's stream lines, not the "XLA Ops" line that repeats them, nor host
-  # events; and the script runs end to end (on the CPU its traces hold no GPU kernels).
+  # events (the end-to-end run below is slow-marked: on the CPU its traces hold no GPU kernels).
   import gzip
   from experiments import profile_decode
   run = tmp_path / "plugins" / "profile" / "run"
@@ -105,6 +105,9 @@ def test_profile_decode_sums_stream_kernels_only(tmp_path):
   assert totals == {"nvfp4_gemv": 8.0, "loop_add_fusion": 2.0}
   assert busy == {"Stream #13(Compute)": 10.0, "XLA Ops": 5.0} and span == 22.0
 
+
+@pytest.mark.slow
+def test_profile_decode_runs_every_variant(tmp_path):
   out = tmp_path / "profile.json"
   subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "profile_decode.py"), "--model", "smoke",
                   "--quants", "bf16", "nvfp4", "--batches", "2", "--decode-layers", "unrolled", "scan",

@@ -242,16 +242,21 @@ def test_prefill_at_a_static_cache_index_attends_only_to_visible_slots(model_and
     np.testing.assert_array_equal(np.asarray(static_cache[key][:, :, prompt_len:]), 0.0)
 
 
+def _nvfp4_bf16_case():
+  """(seed, config, model, tokens, params): an NVFP4 model with bf16 activations and nonzero adapters."""
+  seed = fresh_seed()
+  config = tiny_config(dtype="bfloat16")
+  model = random_model(config, seed, quant="nvfp4")
+  tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 128, (2, 6)))
+  return seed, config, model, tokens, model.params()
+
+
 def test_nvfp4_layers_reach_the_kernels_whole_and_give_the_xla_logits(monkeypatch):
   # The layer scan hands each NVFP4 projection to the kernel as the whole stack plus the layer index
   # (`LayerOf`), so no layer of packed bytes is sliced (copied); the logits equal the XLA path's, which
   # dequantizes a sliced layer. The kernels run in Pallas interpret mode (bf16 activations).
   import kernels
-  seed = fresh_seed()
-  config = tiny_config(dtype="bfloat16")
-  model = random_model(config, seed, quant="nvfp4")
-  tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 128, (2, 6)))
-  params = model.params()
+  seed, config, model, tokens, params = _nvfp4_bf16_case()
   # Fresh functions (not the model's cached jit), so each traces the matmul path in force at the time.
   xla_logits = np.asarray(jax.jit(lambda p: forward(p, config, model.lora_scale, tokens))(params))
   monkeypatch.setattr(kernels, "nvfp4_matmul", functools.partial(kernels.nvfp4_matmul, interpret=True))
@@ -269,14 +274,11 @@ def test_nvfp4_layers_reach_the_kernels_whole_and_give_the_xla_logits(monkeypatc
 
 def test_fused_lora_epilogue_gives_the_same_logits_and_adapter_gradients(monkeypatch):
   # config.fused_lora: NVFP4 projections add the bias and (x @ A) @ B inside the matmul (kernels' epilogue);
-  # logits and the adapters' gradients equal the unfused model's, on the XLA path and through the kernels
-  # (interpret mode). Biases (q/k/v) and nonzero adapters on all seven projections take part.
+  # logits equal the unfused model's on the XLA path and through the kernels (interpret mode), and so do the
+  # adapters' gradients on the XLA path (the kernels' VJP: tests/test_kernels_epilogue.py). Biases (q/k/v)
+  # and nonzero adapters on all seven projections take part.
   import kernels
-  seed = fresh_seed()
-  config = tiny_config(dtype="bfloat16")
-  model = random_model(config, seed, quant="nvfp4")
-  tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 128, (2, 6)))
-  params = model.params()
+  seed, config, model, tokens, params = _nvfp4_bf16_case()
 
   names = ("q_proj", "gate_proj", "down_proj")
 
@@ -298,6 +300,8 @@ def test_fused_lora_epilogue_gives_the_same_logits_and_adapter_gradients(monkeyp
     fused = np.asarray(jax.jit(lambda p: forward(p, fused_cfg, model.lora_scale, tokens))(params))
     scale = np.abs(plain).max()
     np.testing.assert_allclose(fused, plain, atol=0.03 * scale, err_msg=f"{name} {seed=}")
+    if patched is not None:
+      continue
     for proj, g in lora_grads(fused_cfg).items():
       np.testing.assert_allclose(g, plain_grads[proj], atol=0.05 * np.abs(plain_grads[proj]).max(),
                                  err_msg=f"{name} {proj} {seed=}")

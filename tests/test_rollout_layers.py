@@ -18,21 +18,28 @@ def _rollout(model, prompt, valid, key, noise, **kw):
                         max_new_tokens=6, stop_ids=(), pad_id=0, **kw)
 
 
+def _rollouts_by(model, config, field, values, rng, pads, key, noise=None):
+  """{value: the rollout of `model` with config.<field> = value}, on one left-padded prompt batch."""
+  length = max(pads) + 3
+  prompt = jnp.asarray(rng.integers(1, config.vocab_size, (len(pads), length)), jnp.int32)
+  valid = jnp.asarray(np.arange(length)[None, :] >= np.array(pads)[:, None])
+  outs = {}
+  for value in values:
+    model.config = config.replace(**{field: value})
+    outs[value] = _rollout(model, prompt, valid, key, noise)
+  return outs
+
+
 @pytest.mark.parametrize("quant,remat", [("bf16", False), ("nvfp4", True)])
 def test_unrolled_and_scanned_decode_sample_the_same_tokens(quant, remat):
   seed = fresh_seed()
   config = tiny_config(remat=remat)
   model = random_model(config, seed, quant=quant)
   rng = np.random.default_rng(seed)
-  prompt = jnp.asarray(rng.integers(1, config.vocab_size, (3, 7)), jnp.int32)
-  valid = jnp.asarray(np.arange(7)[None, :] >= np.array([[0], [2], [4]]))  # left padding of 0, 2 and 4
   noise = {name: jnp.asarray(0.05 * rng.standard_normal((config.num_layers, dim)), jnp.float32)
            for name, dim in (("input_layernorm", config.hidden_size), ("q_norm", config.head_dim))}
-  key = jax.random.key(seed)
-  outs = {}
-  for layers in ("unrolled", "scan"):
-    model.config = config.replace(decode_layers=layers)
-    outs[layers] = _rollout(model, prompt, valid, key, noise)
+  outs = _rollouts_by(model, config, "decode_layers", ("unrolled", "scan"), rng, (0, 2, 4), jax.random.key(seed),
+                      noise)
   np.testing.assert_array_equal(outs["unrolled"].tokens_BxN, outs["scan"].tokens_BxN)
   np.testing.assert_allclose(outs["unrolled"].logprobs_BxN, outs["scan"].logprobs_BxN, rtol=1e-5, atol=1e-5)
   assert float(jnp.abs(outs["scan"].logprobs_BxN).sum()) > 0
@@ -43,15 +50,8 @@ def test_pallas_decode_attention_on_per_layer_caches_samples_the_same_tokens():
   # the samples equal XLA attention's (interpret mode here).
   seed = fresh_seed()
   config = tiny_config()  # float32: the two attentions agree to ~1e-6, so no sample can flip
-  model = random_model(config, seed)
-  rng = np.random.default_rng(seed)
-  prompt = jnp.asarray(rng.integers(1, config.vocab_size, (2, 5)), jnp.int32)
-  valid = jnp.asarray(np.arange(5)[None, :] >= np.array([[0], [3]]))
-  key = jax.random.key(seed)
-  outs = {}
-  for attention in ("xla", "pallas"):
-    model.config = config.replace(decode_attention=attention)
-    outs[attention] = _rollout(model, prompt, valid, key, None)
+  outs = _rollouts_by(random_model(config, seed), config, "decode_attention", ("xla", "pallas"),
+                      np.random.default_rng(seed), (0, 3), jax.random.key(seed))
   np.testing.assert_array_equal(outs["pallas"].tokens_BxN, outs["xla"].tokens_BxN)
   np.testing.assert_allclose(outs["pallas"].logprobs_BxN, outs["xla"].logprobs_BxN, rtol=1e-4, atol=1e-4)
 
