@@ -29,8 +29,13 @@ from experiments.bench_rollout import QWEN25, model_config, synthetic_base  # no
 from experiments.provenance import commit  # noqa: E402
 
 
-def kernel_totals(trace_dir: str) -> tuple[dict[str, float], dict[str, float], float]:
-  """({kernel name: total us}, {device thread name: busy us}, device span us) from a perfetto trace."""
+def kernel_totals(trace_dir: str) -> tuple[dict[str, float], dict[str, float], float, dict[str, dict]]:
+  """From a perfetto trace: ({kernel name: total us}, {device thread name: busy us}, device span us,
+  {kernel name: what the trace says of it}).
+
+  The last maps each kernel to its first event's arguments (e.g. the HLO op it ran for) plus, when the trace's
+  "XLA Ops" line names that op, the op's long name (its HLO text), so a fusion can be traced to the model code.
+  """
   path = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)[0]
   with gzip.open(path) as f:
     events = json.load(f)["traceEvents"]
@@ -38,6 +43,7 @@ def kernel_totals(trace_dir: str) -> tuple[dict[str, float], dict[str, float], f
   threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
   totals, busy = collections.Counter(), collections.Counter()
+  details, long_names = {}, {}
   lo, hi = float("inf"), 0.0
   for e in events:
     if e.get("ph") != "X" or "GPU" not in procs.get(e["pid"], ""):
@@ -46,8 +52,14 @@ def kernel_totals(trace_dir: str) -> tuple[dict[str, float], dict[str, float], f
     busy[thread] += e["dur"]
     if thread.startswith("Stream"):  # kernels and copies; "XLA Ops"/"XLA Modules" lines repeat them
       totals[e["name"]] += e["dur"]
+      details.setdefault(e["name"], {k: str(v)[:300] for k, v in e.get("args", {}).items()})
       lo, hi = min(lo, e["ts"]), max(hi, e["ts"] + e["dur"])
-  return dict(totals), dict(busy), (hi - lo if hi else 0.0)
+    elif thread == "XLA Ops" and "long_name" in e.get("args", {}):
+      long_names.setdefault(e["name"], str(e["args"]["long_name"])[:600])
+  for info in details.values():
+    if info.get("hlo_op") in long_names:
+      info["long_name"] = long_names[info["hlo_op"]]
+  return dict(totals), dict(busy), (hi - lo if hi else 0.0), details
 
 
 def decode_program(sampling):
@@ -109,7 +121,7 @@ def run(args):
         with tempfile.TemporaryDirectory() as d:
           with jax.profiler.trace(d, create_perfetto_trace=True):
             jax.block_until_ready(go(99))
-          totals, busy, span = kernel_totals(d)
+          totals, busy, span, details = kernel_totals(d)
         kernel_ms = sum(totals.values()) / 1e3 / args.steps
         rec = dict(model=args.model, quant=quant, batch=batch, decode_attention=attention, decode_layers=layers,
                    fused_lora=args.fused_lora,
@@ -117,6 +129,7 @@ def run(args):
                    cache_len=args.cache_len, start=args.start, ms_per_step=ms_step, kernel_ms_per_step=kernel_ms,
                    span_ms_per_step=span / 1e3 / args.steps,
                    kernels_us_per_step={k: v / args.steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
+                   kernel_details={k: details[k] for k in sorted(totals, key=totals.get, reverse=True)[:60]},
                    busy_us_by_thread=busy, device=jax.devices()[0].device_kind, commit=commit(),
                    jax=jax.__version__)
         records.append(rec)

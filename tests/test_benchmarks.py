@@ -93,17 +93,22 @@ def test_profile_decode_sums_stream_kernels_only(tmp_path):
     {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #13(Compute)"}},
     {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}},
     {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
-    {"ph": "X", "pid": 1, "tid": 7, "ts": 10.0, "dur": 5.0, "name": "nvfp4_gemv"},
-    {"ph": "X", "pid": 1, "tid": 7, "ts": 20.0, "dur": 3.0, "name": "nvfp4_gemv"},
-    {"ph": "X", "pid": 1, "tid": 7, "ts": 30.0, "dur": 2.0, "name": "loop_add_fusion"},
-    {"ph": "X", "pid": 1, "tid": 8, "ts": 10.0, "dur": 5.0, "name": "fusion.1"},
+    {"ph": "X", "pid": 1, "tid": 7, "ts": 10.0, "dur": 5.0, "name": "nvfp4_gemv", "args": {"hlo_op": "custom-call.3"}},
+    {"ph": "X", "pid": 1, "tid": 7, "ts": 20.0, "dur": 3.0, "name": "nvfp4_gemv", "args": {"hlo_op": "custom-call.9"}},
+    {"ph": "X", "pid": 1, "tid": 7, "ts": 30.0, "dur": 2.0, "name": "loop_add_fusion", "args": {"hlo_op": "add.1"}},
+    {"ph": "X", "pid": 1, "tid": 8, "ts": 10.0, "dur": 5.0, "name": "custom-call.3",
+     "args": {"long_name": "custom-call.3 = bf16[1,512] custom-call(...), custom_call_target=\"__gpu$xla.gpu.triton\""}},
     {"ph": "X", "pid": 2, "tid": 9, "ts": 0.0, "dur": 99.0, "name": "PjitFunction"},
   ]
   with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
     json.dump({"traceEvents": events}, f)
-  totals, busy, span = profile_decode.kernel_totals(str(tmp_path))
+  totals, busy, span, details = profile_decode.kernel_totals(str(tmp_path))
   assert totals == {"nvfp4_gemv": 8.0, "loop_add_fusion": 2.0}
   assert busy == {"Stream #13(Compute)": 10.0, "XLA Ops": 5.0} and span == 22.0
+  # Each kernel's first event says which HLO op it ran; the op's HLO text comes from the "XLA Ops" line.
+  gemv = details["nvfp4_gemv"]
+  assert gemv["hlo_op"] == "custom-call.3" and "gpu.triton" in gemv["long_name"]
+  assert details["loop_add_fusion"] == {"hlo_op": "add.1"}
 
 
 @pytest.mark.slow
