@@ -97,7 +97,8 @@ def test_profile_decode_sums_stream_kernels_only(tmp_path):
     {"ph": "X", "pid": 1, "tid": 7, "ts": 20.0, "dur": 3.0, "name": "nvfp4_gemv", "args": {"hlo_op": "custom-call.9"}},
     {"ph": "X", "pid": 1, "tid": 7, "ts": 30.0, "dur": 2.0, "name": "loop_add_fusion", "args": {"hlo_op": "add.1"}},
     {"ph": "X", "pid": 1, "tid": 8, "ts": 10.0, "dur": 5.0, "name": "custom-call.3",
-     "args": {"long_name": "custom-call.3 = bf16[1,512] custom-call(...), custom_call_target=\"__gpu$xla.gpu.triton\""}},
+     "args": {"long_name": "custom-call.3 = bf16[1,512] custom-call(...), "
+                           "custom_call_target=\"__gpu$xla.gpu.triton\""}},
     {"ph": "X", "pid": 2, "tid": 9, "ts": 0.0, "dur": 99.0, "name": "PjitFunction"},
   ]
   with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
