@@ -112,7 +112,8 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
 
   block_k always divides K (the packed and scale tiles then never straddle the end of a row); rows and N
   columns beyond the array are masked in the kernels. With auto_split, the split grows (powers of two) until
-  about two programs run per SM.
+  about two programs run per SM; a gemv whose K steps admit no such split (e.g. 7B down_proj: 18944 / 512 =
+  37 steps) halves block_k, down to 128, while that allows a larger split.
   """
   if k % 16:
     raise ValueError(f"{k=} must be a multiple of 16 (the NVFP4 block)")
@@ -123,14 +124,27 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
   block_m = max(16, min(cfg.block_m, _pow2_at_most(2 * m - 1) if m > 1 else 16))
   block_n = max(16, min(cfg.block_n, _pow2_at_most(2 * n - 1) if n > 1 else 16))
   num_m = 1 if engine == "gemv" else -(-m // block_m)  # gemv: every row in each program
-  if direction == "fwd":
-    tiles = num_m * -(-n // block_n)
-    steps = k // block_k  # contraction steps
-  else:
-    tiles = num_m * (k // block_k)
-    steps = -(-n // block_n)
-  split = cfg.split
-  if auto_split:
+  tiles = num_m * (-(-n // block_n) if direction == "fwd" else k // block_k)
+  split = _split(cfg.split, tiles, k, n, block_n, block_k, direction, num_sms, auto_split)
+  # At 1 row the gemv is latency-bound when too few programs stream the weight: on an H200 (4aae426) the 7B
+  # down_proj ran 83 us unsplit (224 programs) and 64-69 us split 2-4 with shorter K steps.
+  while engine == "gemv" and auto_split and tiles * split < 2 * num_sms and block_k > 128:
+    finer = _split(cfg.split, tiles, k, n, block_n, block_k // 2, direction, num_sms, auto_split)
+    if finer <= split:  # shorter steps alone buy nothing
+      break
+    block_k, split = block_k // 2, finer
+  # "halves" contracts block_k / 2 columns per dot, and Triton's dots need at least 16.
+  dequant = "jnp" if cfg.dequant in ("halves", "asm") and block_k < 32 else cfg.dequant
+  return dataclasses.replace(cfg, block_m=block_m, block_n=block_n, block_k=block_k, split=split,
+                             dequant=dequant, engine=engine)
+
+
+def _split(split: int, tiles: int, k: int, n: int, block_n: int, block_k: int, direction: str, num_sms: int,
+           auto: bool) -> int:
+  """The contraction split: the given one, or (auto) the power of two that gives ~2 programs per SM; capped
+  by the contraction steps and, forward, lowered until it divides them."""
+  steps = k // block_k if direction == "fwd" else -(-n // block_n)
+  if auto:
     split = 1
     while tiles * split < 2 * num_sms and split * 2 <= min(steps, 32):
       split *= 2
@@ -138,10 +152,7 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
   if direction == "fwd":
     while steps % split:  # split-K must cut K into whole block_k steps
       split -= 1
-  # "halves" contracts block_k / 2 columns per dot, and Triton's dots need at least 16.
-  dequant = "jnp" if cfg.dequant in ("halves", "asm") and block_k < 32 else cfg.dequant
-  return dataclasses.replace(cfg, block_m=block_m, block_n=block_n, block_k=block_k, split=split,
-                             dequant=dequant, engine=engine)
+  return split
 
 
 def _device_file(device_kind: str) -> str:
