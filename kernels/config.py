@@ -112,8 +112,8 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
 
   block_k always divides K (the packed and scale tiles then never straddle the end of a row); rows and N
   columns beyond the array are masked in the kernels. With auto_split, the split grows (powers of two) until
-  about two programs run per SM; a gemv whose K steps admit no such split (e.g. 7B down_proj: 18944 / 512 =
-  37 steps) halves block_k, down to 128, while that allows a larger split.
+  about two programs run per SM; a forward whose K steps admit no such split (e.g. 7B down_proj: 18944 / 512
+  = 37 steps) halves block_k, down to 128, while that allows a larger split.
   """
   if k % 16:
     raise ValueError(f"{k=} must be a multiple of 16 (the NVFP4 block)")
@@ -126,9 +126,10 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
   num_m = 1 if engine == "gemv" else -(-m // block_m)  # gemv: every row in each program
   tiles = num_m * (-(-n // block_n) if direction == "fwd" else k // block_k)
   split = _split(cfg.split, tiles, k, n, block_n, block_k, direction, num_sms, auto_split)
-  # At 1 row the gemv is latency-bound when too few programs stream the weight: on an H200 (4aae426) the 7B
-  # down_proj ran 83 us unsplit (224 programs) and 64-69 us split 2-4 with shorter K steps.
-  while engine == "gemv" and auto_split and tiles * split < 2 * num_sms and block_k > 128:
+  # With few rows a forward is latency-bound when too few programs stream the weight. On an H200 the 7B
+  # down_proj ran, at 1 row (gemv, 4aae426), 83 us unsplit (224 programs) and 64-69 us split 2-4 with shorter
+  # K steps; at 16 rows (tile kernel, 5c4c18a), 218 us with 56 programs and 109 us with 112.
+  while direction == "fwd" and auto_split and tiles * split < 2 * num_sms and block_k > 128:
     finer = _split(cfg.split, tiles, k, n, block_n, block_k // 2, direction, num_sms, auto_split)
     if finer <= split:  # shorter steps alone buy nothing
       break

@@ -240,18 +240,21 @@ def test_configs_fit_every_shape():
   assert cfg.engine == "gemv" and cfg.split * (3584 // cfg.block_n) >= 132
 
 
-def test_gemv_shortens_k_steps_when_they_admit_no_split():
+def test_few_row_forwards_shorten_k_steps_when_they_admit_no_split():
   # 7B down_proj at 1 row: 18944 / 512 = 37 steps (prime) admits no split of its 224 column blocks, so the
-  # gemv halves block_k to 256 for a split of 2 (448 programs); a shape whose split is already full, or that
+  # gemv halves block_k to 256 for a split of 2 (448 programs); at 16 rows the tile kernel's 56 column blocks
+  # get block_k 128 and a split of 4 instead of 256 and 2. A shape whose split is already full, or that
   # shorter steps would not help, keeps block_k.
   down = config_lib.get_config("fwd", 1, 18944, 3584, "NVIDIA H200")
   assert (down.engine, down.block_k, down.split) == ("gemv", 256, 2)
+  down16 = config_lib.get_config("fwd", 16, 18944, 3584, "NVIDIA H200")
+  assert (down16.engine, down16.block_k, down16.split) == ("tensorcore", 128, 4)
   gate = config_lib.get_config("fwd", 1, 3584, 18944, "NVIDIA H200")
   assert (gate.block_k, gate.split) == (512, 1)  # 1184 column blocks: enough programs unsplit
   k_proj = config_lib.get_config("fwd", 1, 3584, 512, "NVIDIA H200")
   assert k_proj.split * (512 // k_proj.block_n) >= 2 * 132 and 3584 % (k_proj.block_k * k_proj.split) == 0
-  tile = config_lib.get_config("fwd", 64, 18944, 3584, "NVIDIA H200")  # the tile kernel is left alone
-  assert tile.engine == "tensorcore" and tile.block_k == 128
+  bwd = config_lib.get_config("bwd", 16, 18944, 3584, "NVIDIA H200")  # the backward splits N: left alone
+  assert bwd.block_k == 64
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
