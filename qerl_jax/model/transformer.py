@@ -86,7 +86,7 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
     k_cache = jax.lax.dynamic_update_slice(k_cache, k_new.astype(k_cache.dtype), start)
     v_cache = jax.lax.dynamic_update_slice(v_cache, v_new.astype(v_cache.dtype), start)
     kv = (k_cache, v_cache)
-    if t == 1 and config.decode_attention == "pallas":  # reads this layer of the stacked cache in place
+    if t == 1 and config.decode_attention == "pallas":  # reads this layer's cache in place
       from kernels.decode_attention import decode_attention  # pylint: disable=import-outside-toplevel
       k_stack, v_stack, index = (k_cache, v_cache, layer) if stacked else (k_cache[None], v_cache[None], 0)
       # Slots past this token's own are invisible to every row: their blocks are not read.
@@ -198,8 +198,7 @@ def _scanned(layer_fn, x, kv, layers: dict[str, Any], noise: dict[str, jax.Array
   def body(carry, xs):
     x, kv = carry
     p, layer_noise, layer = xs
-    p = {**p, **{name: {**p[name], "w": LayerOf(w, layer)} for name, w in whole.items()}}
-    return layer_fn(x, kv, p, layer_noise, layer), None
+    return layer_fn(x, kv, _with_whole(p, whole, layer), layer_noise, layer), None
 
   xs = (sliced, noise, jnp.arange(num_layers, dtype=jnp.int32))
   (x, kv), _ = jax.lax.scan(body, (x, kv), xs)
@@ -227,11 +226,14 @@ def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
   """
   sliced, whole = _read_in_place(params["layers"])
   num_layers = _num_layers(sliced if jax.tree.leaves(sliced) else whole)
-  per_layer = []
-  for layer in range(num_layers):
-    p = jax.tree.map(lambda a, layer=layer: a[layer], sliced)
-    per_layer.append({**p, **{name: {**p[name], "w": LayerOf(w, layer)} for name, w in whole.items()}})
+  per_layer = [_with_whole(jax.tree.map(lambda a, layer=layer: a[layer], sliced), whole, layer)
+               for layer in range(num_layers)]
   return {**params, "layers": per_layer}
+
+
+def _with_whole(p: dict[str, Any], whole: dict[str, Any], layer) -> dict[str, Any]:
+  """One layer's sliced parameters with its NVFP4 weights put back as `LayerOf(stack, layer)`."""
+  return {**p, **{name: {**p[name], "w": LayerOf(w, layer)} for name, w in whole.items()}}
 
 
 _forward_jit = jax.jit(forward, static_argnums=(1, 2), static_argnames=("return_hidden",))
