@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -223,36 +222,6 @@ def _bucket(direction, rows):
   raise AssertionError
 
 
-def _ab_decoders(f, key, bf16_cache, bw, commit, device):
-  """Times every tile decoder (jnp, halves, asm) on the same tiles; returns {(direction, small_rows): decoder}.
-
-  A decoder that fails the float32 check counts as infinitely slow, so a broken one is never chosen.
-  """
-  total = {}
-  for layer in ("gate_up", "down"):
-    k, n = MODELS["7b"][layer]
-    for direction in ("fwd", "bwd"):
-      for rows in (1, 2048):
-        cfg = config_lib.get_config(direction, rows, k, n, device)
-        for dq in config_lib.DECODERS:
-          group = (direction, rows <= 256)
-          try:
-            rec = bench_one(direction, k, n, rows, dataclasses.replace(cfg, dequant=dq), key, bf16_cache, bw)
-          except Exception as e:
-            print(f"FAILED ab {layer} {direction} rows={rows} {dq}: {type(e).__name__}: {str(e)[:600]}",
-                  flush=True)
-            total[(group, dq)] = float("inf")
-            continue
-          rec.update(shape=f"qwen2.5-7b.{layer}", implementation="pallas", commit=commit, device=device,
-                     copy_tbps=round(bw / 1e12, 3), sweep="ab")
-          f.write(json.dumps(rec) + "\n")
-          f.flush()
-          print(f"ab {layer} {direction} rows={rows} {dq}: {rec['us']} us (bf16 {rec['bf16_us']})", flush=True)
-          total[(group, dq)] = total.get((group, dq), 0.0) + rec["us"]
-  groups = {g for g, _ in total}
-  return {g: min(config_lib.DECODERS, key=lambda d: total.get((g, d), float("inf"))) for g in groups}
-
-
 def _summary(records):
   lines = [f"{'shape':<18}{'dir':<5}{'rows':>6}{'us':>10}{'bf16_us':>10}{'x bf16':>8}{'roof':>7}  engine"]
   for r in records:
@@ -279,9 +248,6 @@ def main(argv=None):
                  help="at forward rows <= 16 also time every gemv-engine candidate; the fastest is reported")
   p.add_argument("--decoders", default="",
                  help="comma-separated tile decoders to time on each tuned config (e.g. jnp,halves)")
-  p.add_argument("--ab", action="store_true",
-                 help="first time every tile decoder (jnp, halves, asm) on 7B gate_up/down at 1 and 2048 rows; "
-                      "then use the faster one (per direction, rows <= 256 or more) for the whole run")
   args = p.parse_args(argv)
   global _INTERPRET
   _INTERPRET = args.interpret
@@ -294,11 +260,7 @@ def main(argv=None):
   key = jax.random.key(0)
   records, swept, bf16_cache = [], [], {}
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  choice = {}
   with open(args.out, "a") as f:
-    if args.ab:
-      choice = _ab_decoders(f, key, bf16_cache, bw, commit, device)
-      print("decoder choice:", choice, flush=True)
     for model in args.models.split(","):
       for layer in args.layers.split(","):
         k, n = MODELS[model][layer]
@@ -308,8 +270,7 @@ def main(argv=None):
               cands = CANDIDATES[(direction, _bucket(direction, rows))]
             else:
               cfg = config_lib.get_config(direction, rows, k, n, device)
-              dq = choice.get((direction, rows <= 256), cfg.dequant)
-              decoders = args.decoders.split(",") if args.decoders else [dq]
+              decoders = args.decoders.split(",") if args.decoders else [cfg.dequant]
               cands = [dataclasses.replace(cfg, dequant=d) for d in decoders]
               if args.gemv and direction == "fwd" and rows <= config_lib.GEMV_MAX_ROWS:
                 cands += GEMV_CANDIDATES

@@ -61,11 +61,12 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
     b0 = pl.multiple_of(pid_s * b_per_split + i * block_b, block_b)
     blocks = pl.ds(b0, block_b)
     p_NxBx8 = plgpu.load(packed_ref.at[w_rows, blocks, :], mask=col_mask[:, None, None], other=0)
-    s_NxB = plgpu.load(scale_ref.at[w_rows, blocks], mask=col_mask[:, None], other=0.0).astype(jnp.float32)
+    s_NxB = plgpu.load(scale_ref.at[w_rows, blocks], mask=col_mask[:, None], other=0.0)
     if dequant == "asm":  # E2M1 * scale, exact in bf16, from inline PTX (no per-weight conversion)
       lo, hi = (plane.astype(jnp.float32)
                 for plane in nvfp4_tile.dequant_halves_asm(p_NxBx8, s_NxB, jnp.bfloat16))
     else:  # E2M1 / 64 exactly (see nvfp4_tile): the hardware e4m3 conversion does the decode
+      s_NxB = s_NxB.astype(jnp.float32)
       lo_bits, hi_bits = nvfp4_tile.nibbles_to_e4m3_bits(p_NxBx8)
       lo = jax.lax.bitcast_convert_type(lo_bits, jnp.float8_e4m3fn).astype(jnp.float32)
       hi = jax.lax.bitcast_convert_type(hi_bits, jnp.float8_e4m3fn).astype(jnp.float32)

@@ -104,19 +104,23 @@ class LayerOf:
   layer: Any  # an int32 scalar or a Python int
 
 
-def base_matmul(x_BxTxK: jax.Array, w: Any) -> jax.Array:
+def is_nvfp4(w: Any) -> bool:
+  """Whether a base weight goes to the fused NVFP4 kernels (an NVFP4 tensor or a `LayerOf` stack)."""
+  return isinstance(w, (LayerOf, qtypes.NVFP4Tensor))
+
+
+def base_matmul(x_BxTxK: jax.Array, w: Any, **epilogue) -> jax.Array:
   """x @ W for a frozen base weight of logical shape [K, N]; x may have any leading dims.
 
   w: a float array [K, N] (cast to x's dtype), a quantized tensor, or a `LayerOf` NVFP4 stack. NVFP4 goes
-  to the fused kernel when available (which reads a `LayerOf` in place); other schemes are dequantized to
-  x's dtype and multiplied. Accumulation is float32.
+  to the fused kernel when available (which reads a `LayerOf` in place; ``epilogue``: its bias= / lora=);
+  other schemes are dequantized to x's dtype and multiplied. Accumulation is float32.
   """
-  if isinstance(w, (LayerOf, qtypes.NVFP4Tensor)):
+  if is_nvfp4(w):
     # The project's top-level kernels/ package; it falls back to XLA itself where no kernel runs.
     from kernels import nvfp4_matmul  # pylint: disable=import-outside-toplevel
-    if isinstance(w, LayerOf):
-      return nvfp4_matmul(x_BxTxK, w.stacked, layer=w.layer)
-    return nvfp4_matmul(x_BxTxK, w)
+    stacked, layer = (w.stacked, w.layer) if isinstance(w, LayerOf) else (w, None)
+    return nvfp4_matmul(x_BxTxK, stacked, layer=layer, **epilogue)
   if qtypes.is_quantized(w):
     from qerl_jax.quant import dequantize  # pylint: disable=import-outside-toplevel
     w = dequantize(w, x_BxTxK.dtype)
@@ -127,10 +131,15 @@ def base_matmul(x_BxTxK: jax.Array, w: Any) -> jax.Array:
   return y.astype(x_BxTxK.dtype)
 
 
+def lora_xa(x_BxTxK: jax.Array, a_KxR: jax.Array, b_RxN: jax.Array) -> jax.Array:
+  """x @ A in the adapter's dtype with float32 accumulation, cast to B's dtype (PEFT's order)."""
+  xa = jnp.einsum("...k,kr->...r", x_BxTxK.astype(a_KxR.dtype), a_KxR, preferred_element_type=jnp.float32)
+  return xa.astype(b_RxN.dtype)
+
+
 def lora_delta(x_BxTxK: jax.Array, a_KxR: jax.Array, b_RxN: jax.Array, scale: float) -> jax.Array:
   """scale * (x @ A) @ B, computed in the adapter's dtype as PEFT does, returned in x's dtype."""
-  xa = jnp.einsum("...k,kr->...r", x_BxTxK.astype(a_KxR.dtype), a_KxR, preferred_element_type=jnp.float32)
-  y = jnp.einsum("...r,rn->...n", xa.astype(b_RxN.dtype), b_RxN, preferred_element_type=jnp.float32)
+  y = jnp.einsum("...r,rn->...n", lora_xa(x_BxTxK, a_KxR, b_RxN), b_RxN, preferred_element_type=jnp.float32)
   return (y * scale).astype(x_BxTxK.dtype)
 
 
@@ -142,15 +151,11 @@ def linear(x_BxTxK: jax.Array, p: dict[str, Any], lora_scale: float, fused: bool
   XLA operations; x @ A stays in XLA. Other weights ignore it.
   """
   w = p["w"]
-  if fused and isinstance(w, (LayerOf, qtypes.NVFP4Tensor)):
-    from kernels import nvfp4_matmul  # pylint: disable=import-outside-toplevel
+  if fused and is_nvfp4(w):
     lora = None
-    if p.get("lora_a") is not None:  # PEFT's order: x @ A in the adapter's dtype, cast to B's dtype
-      a_KxR, b_RxN = p["lora_a"], p["lora_b"]
-      xa = jnp.einsum("...k,kr->...r", x_BxTxK.astype(a_KxR.dtype), a_KxR, preferred_element_type=jnp.float32)
-      lora = (xa.astype(b_RxN.dtype), b_RxN, lora_scale)
-    stacked, layer = (w.stacked, w.layer) if isinstance(w, LayerOf) else (w, None)
-    return nvfp4_matmul(x_BxTxK, stacked, layer=layer, bias=p.get("b"), lora=lora)
+    if p.get("lora_a") is not None:
+      lora = (lora_xa(x_BxTxK, p["lora_a"], p["lora_b"]), p["lora_b"], lora_scale)
+    return base_matmul(x_BxTxK, w, bias=p.get("b"), lora=lora)
   y = base_matmul(x_BxTxK, w)
   if p.get("b") is not None:
     y = y + p["b"].astype(y.dtype)
