@@ -56,9 +56,11 @@ _L2_BYTES_x4 = 200 * 2**20  # rotate weight copies until this many bytes are in 
 _C = Nvfp4MatmulConfig
 CANDIDATES = {
   ("fwd", 16): [_C(16, 64, 256, num_warps=4, num_stages=4), _C(16, 128, 256, num_warps=4, num_stages=3),
-                _C(16, 64, 512, num_warps=4, num_stages=3), _C(16, 32, 512, num_warps=4, num_stages=4)],
+                _C(16, 64, 512, num_warps=4, num_stages=3), _C(16, 32, 512, num_warps=4, num_stages=4),
+                _C(16, 128, 128, num_warps=4, num_stages=4), _C(16, 256, 128, num_warps=8, num_stages=3)],
   ("fwd", 64): [_C(64, 64, 128, num_warps=4, num_stages=4), _C(64, 128, 128, num_warps=4, num_stages=3),
-                _C(64, 64, 256, num_warps=4, num_stages=3), _C(32, 64, 256, num_warps=4, num_stages=4)],
+                _C(64, 64, 256, num_warps=4, num_stages=3), _C(32, 64, 256, num_warps=4, num_stages=4),
+                _C(64, 128, 128, num_warps=8, num_stages=3), _C(32, 128, 128, num_warps=4, num_stages=4)],
   ("fwd", 256): [_C(64, 128, 64, num_warps=4, num_stages=4), _C(128, 128, 64, num_warps=8, num_stages=3),
                  _C(64, 128, 128, num_warps=4, num_stages=3), _C(128, 64, 128, num_warps=4, num_stages=3)],
   ("fwd", 1 << 30): [_C(128, 128, 64, num_warps=8, num_stages=3), _C(128, 256, 64, num_warps=8, num_stages=3),
@@ -247,7 +249,8 @@ def main(argv=None):
   p.add_argument("--gemv", action="store_true",
                  help="at forward rows <= 16 also time every gemv-engine candidate; the fastest is reported")
   p.add_argument("--decoders", default="",
-                 help="comma-separated tile decoders to time on each tuned config (e.g. jnp,halves)")
+                 help="comma-separated tile decoders to time on each tuned config, or with --sweep on each "
+                      "candidate (e.g. jnp,asm,asm1)")
   args = p.parse_args(argv)
   global _INTERPRET
   _INTERPRET = args.interpret
@@ -258,6 +261,7 @@ def main(argv=None):
   bw = copy_bandwidth(2.0)
   print(f"device={device} commit={commit} copy_bandwidth={bw / 1e12:.3f} TB/s", flush=True)
   key = jax.random.key(0)
+  decoders = args.decoders.split(",") if args.decoders else []
   records, swept, bf16_cache = [], [], {}
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "a") as f:
@@ -266,12 +270,12 @@ def main(argv=None):
         k, n = MODELS[model][layer]
         for direction in args.directions.split(","):
           for rows in map(int, args.rows.split(",")):
-            if args.sweep:
-              cands = CANDIDATES[(direction, _bucket(direction, rows))]
+            if args.sweep:  # every candidate with each of --decoders (by default, the candidate's own)
+              cands = [c if d is None else dataclasses.replace(c, dequant=d)
+                       for c in CANDIDATES[(direction, _bucket(direction, rows))] for d in decoders or [None]]
             else:
               cfg = config_lib.get_config(direction, rows, k, n, device)
-              decoders = args.decoders.split(",") if args.decoders else [cfg.dequant]
-              cands = [dataclasses.replace(cfg, dequant=d) for d in decoders]
+              cands = [dataclasses.replace(cfg, dequant=d) for d in decoders or [cfg.dequant]]
               if args.gemv and direction == "fwd" and rows <= config_lib.GEMV_MAX_ROWS:
                 cands += GEMV_CANDIDATES
             best = None

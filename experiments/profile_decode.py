@@ -99,9 +99,11 @@ def run(args):
   records = []
   for quant in args.quants:
     base = synthetic_base(model_config(args.model), quant)
-    for attention, layers in [(a, l) for l in args.decode_layers for a in args.decode_attention]:
+    variants = [(a, l, f) for l in args.decode_layers for a in args.decode_attention
+                for f in (args.lora_epilogue if quant == "nvfp4" else ["xla"])]  # bf16 has no kernel epilogue
+    for attention, layers, epilogue in variants:
       config = model_config(args.model).replace(decode_attention=attention, decode_layers=layers,
-                                                fused_lora=args.fused_lora)
+                                                fused_lora=epilogue == "fused")
       model = Transformer(config, base, lora=LoraConfig(rank=16, alpha=16, dtype=jnp.bfloat16), rngs=nnx.Rngs(0))
       gs = nnx.split(model)
       decode = decode_program(SamplingParams(temperature=1.0))
@@ -124,7 +126,7 @@ def run(args):
           totals, busy, span, details = kernel_totals(d)
         kernel_ms = sum(totals.values()) / 1e3 / args.steps
         rec = dict(model=args.model, quant=quant, batch=batch, decode_attention=attention, decode_layers=layers,
-                   fused_lora=args.fused_lora,
+                   fused_lora=config.fused_lora,
                    steps=args.steps,
                    cache_len=args.cache_len, start=args.start, ms_per_step=ms_step, kernel_ms_per_step=kernel_ms,
                    span_ms_per_step=span / 1e3 / args.steps,
@@ -133,7 +135,7 @@ def run(args):
                    busy_us_by_thread=busy, device=jax.devices()[0].device_kind, commit=commit(),
                    jax=jax.__version__)
         records.append(rec)
-        print(f"\n{quant:6s} b{batch:<3d} attn={attention:6s} layers={layers:8s} {ms_step:7.2f} ms/step wall, "
+        print(f"\n{quant:6s} b{batch:<3d} attn={attention:6s} layers={layers:8s} lora={epilogue:5s} {ms_step:7.2f} ms/step wall, "
               f"kernels {kernel_ms:6.2f} ms/step, span {rec['span_ms_per_step']:6.2f}", flush=True)
         for name, us in list(rec["kernels_us_per_step"].items())[:args.top]:
           print(f"   {us:9.1f} us  {100 * us / 1e3 / max(kernel_ms, 1e-9):5.1f}%  {name[:110]}", flush=True)
@@ -147,7 +149,8 @@ def main():
   p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
   p.add_argument("--decode-attention", nargs="+", default=["xla"], choices=["xla", "pallas"])
   p.add_argument("--decode-layers", nargs="+", default=["unrolled"], choices=["unrolled", "scan"])
-  p.add_argument("--fused-lora", action="store_true", help="bias and LoRA in the NVFP4 kernels' epilogue")
+  p.add_argument("--lora-epilogue", nargs="+", choices=["xla", "fused"], default=["xla"],
+                 help="NVFP4: bias and LoRA added by XLA after the matmul, or fused into the kernels' epilogue")
   p.add_argument("--cache-len", type=int, default=1280)
   p.add_argument("--start", type=int, default=768, help="first cache slot written (mid-rollout)")
   p.add_argument("--steps", type=int, default=16)
@@ -159,9 +162,10 @@ def main():
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(records, f)
-  print(f"\n{'quant':6s} {'batch':>5s} {'attn':6s} {'layers':8s} {'wall ms':>8s} {'kernel ms':>9s}")
+  print(f"\n{'quant':6s} {'batch':>5s} {'attn':6s} {'layers':8s} {'lora':5s} {'wall ms':>8s} {'kernel ms':>9s}")
   for r in records:
     print(f"{r['quant']:6s} {r['batch']:5d} {r['decode_attention']:6s} {r['decode_layers']:8s} "
+          f"{'fused' if r['fused_lora'] else 'xla':5s} "
           f"{r['ms_per_step']:8.2f} {r['kernel_ms_per_step']:9.2f}")
 
 

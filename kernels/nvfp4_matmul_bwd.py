@@ -28,8 +28,8 @@ def nvfp4_matmul_bwd_kernel(dy_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_
 
   dy_ref [M, N]; layer_ref int32 [1]; packed_ref uint8 [L*N, K/2]; scale_ref e4m3 [L*N, K/16]; gs_ref f32
   [L] (rows layer*N .. layer*N + N are this weight);
-  o_ref [M, K] (dy dtype) when split == 1, else float32 partials [split, M, K]; with dequant "halves" or
-  "asm" each block_k run of dx's columns is written as its even columns, then its odd ones (``halves_order``).
+  o_ref [M, K] (dy dtype) when split == 1, else float32 partials [split, M, K]; with a halves-layout dequant
+  ("halves", "asm", "asm1") each block_k run of dx's columns is written as its even columns, then its odd ones (``halves_order``).
   """
   m, n = dy_ref.shape
   k = 2 * packed_ref.shape[1]
@@ -55,10 +55,10 @@ def nvfp4_matmul_bwd_kernel(dy_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_
     return dy_MxN, p_NxKh, s_NxKb
 
   contract = (((0,), (1,)), ((), ()))
-  multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
+  multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant, dy_ref.dtype)
   mask = row_mask[:, None]
-  if dequant in ("halves", "asm"):  # two accumulators, dx's even and odd columns: no interleave in the kernel
-    decode = nvfp4_tile.dequant_halves_asm if dequant == "asm" else nvfp4_tile.dequant_halves
+  if dequant in nvfp4_tile.HALVES_DECODERS:  # two accumulators, dx's even and odd columns: no interleave
+    decode = nvfp4_tile.decode_halves(dequant)
 
     def body_halves(i, accs):
       dy_MxN, p_NxKh, s_NxKb = loads(i)
@@ -117,6 +117,6 @@ def nvfp4_matmul_bwd_pallas(dy_MxN: jax.Array, packed_NxKh: jax.Array, scale_NxK
   out = nvfp4_tile.launch(kernel, [dy_MxN, *weight_operands], rows=m, cols=k, split=split, dtype=dy_MxN.dtype,
                           grid=(num_m * (k // cfg.block_k), split), num_warps=cfg.num_warps,
                           num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_matmul_bwd")
-  if cfg.dequant in ("halves", "asm"):
+  if cfg.dequant in nvfp4_tile.HALVES_DECODERS:
     out = logical_order(out, cfg.block_k)
   return out

@@ -52,7 +52,7 @@ def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *re
                             dequant: str = "jnp", epilogue: Epilogue = Epilogue()):
   """One [block_m, block_n] output tile over one contraction split.
 
-  x_ref [M, K] (with dequant "halves" or "asm", each block_k run of columns holds the run's even columns,
+  x_ref [M, K] (with a halves-layout dequant, each block_k run of columns holds the run's even columns,
   then its odd ones: see ``halves_order``); layer_ref int32 [1]; packed_ref uint8 [L*N, K/2]; scale_ref e4m3
   [L*N, K/16]; gs_ref f32 [L] (``nvfp4_tile.layer_operands``: rows layer*N .. layer*N + N are this weight);
   rest: the epilogue's refs (``nvfp4_epilogue``), then o_ref [M, N] (x dtype) when split == 1, else float32
@@ -78,12 +78,11 @@ def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *re
                         mask=col_mask[:, None], other=0)
     s_NxKb = plgpu.load(scale_ref.at[w_rows, pl.ds(k0 // 16, block_k // 16)], mask=col_mask[:, None], other=0.0)
     contract = (((1,), (1,)), ((), ()))
-    if dequant in ("halves", "asm"):  # the low nibbles meet x's even columns, the high ones its odd columns
+    if dequant in nvfp4_tile.HALVES_DECODERS:  # the low nibbles meet x's even columns, the high ones its odd
       rows = pl.ds(pid_m * block_m, block_m)
       xe_MxKh, xo_MxKh = (plgpu.load(x_ref.at[rows, pl.ds(k0 + half * (block_k // 2), block_k // 2)],
                                      mask=row_mask[:, None], other=0.0) for half in (0, 1))
-      decode = nvfp4_tile.dequant_halves_asm if dequant == "asm" else nvfp4_tile.dequant_halves
-      we_NxKh, wo_NxKh = decode(p_NxKh, s_NxKb, xe_MxKh.dtype)
+      we_NxKh, wo_NxKh = nvfp4_tile.decode_halves(dequant)(p_NxKh, s_NxKb, xe_MxKh.dtype)
       return (acc_NxM + jax.lax.dot_general(we_NxKh, xe_MxKh, contract, preferred_element_type=jnp.float32)
               + jax.lax.dot_general(wo_NxKh, xo_MxKh, contract, preferred_element_type=jnp.float32))
     x_MxK = plgpu.load(x_ref.at[pl.ds(pid_m * block_m, block_m), pl.ds(k0, block_k)],
@@ -93,7 +92,7 @@ def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *re
 
   acc_NxM = jax.lax.fori_loop(0, k_per_split // block_k, body,
                               jnp.zeros((block_n, block_m), jnp.float32))
-  y_MxN = acc_NxM.T * nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
+  y_MxN = acc_NxM.T * nvfp4_tile.output_multiplier(gs_ref[layer], dequant, x_ref.dtype)
   if epilogue.num_refs:
     extra = nvfp4_epilogue.term(epi_refs, epilogue, pl.ds(pid_m * block_m, block_m), row_mask,
                                 pl.ds(pid_n * block_n, block_n), col_mask)
@@ -134,7 +133,7 @@ def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb
       k_per_split=k // cfg.split, group_m=cfg.group_m, split=cfg.split,
       dequant=nvfp4_tile.decoder(cfg.dequant, interpret), epilogue=epi)
   # "halves": a reordered copy of x (small next to the weight it multiplies).
-  x_in = halves_order(x_MxK, cfg.block_k) if cfg.dequant in ("halves", "asm") else x_MxK
+  x_in = halves_order(x_MxK, cfg.block_k) if cfg.dequant in nvfp4_tile.HALVES_DECODERS else x_MxK
   return nvfp4_tile.launch(kernel, [x_in, *weight_operands, *epi_ops], rows=m, cols=n, split=cfg.split,
                            dtype=x_MxK.dtype, grid=(num_m * num_n, cfg.split), num_warps=cfg.num_warps,
                            num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_matmul_fwd")

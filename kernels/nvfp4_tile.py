@@ -18,6 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels import config
+
 # The decoded e4m3 value is E2M1 / CODE_DIVISOR.
 CODE_DIVISOR = 64.0
 
@@ -66,9 +68,20 @@ def dequant_halves(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype) -> tupl
   return plane(lo), plane(hi)
 
 
-def output_multiplier(global_scale: jax.Array, method: str = "jnp") -> jax.Array:
-  """The float32 factor that turns an accumulator over ``dequant_tile`` products into the true product."""
-  divisor = 1.0 if method == "asm" else CODE_DIVISOR
+# Decoders that work in the "halves" layout (two nibble planes, no interleave), and those written in PTX.
+HALVES_DECODERS = config.HALVES_DECODERS
+PTX_DECODERS = ("asm", "asm1")
+# "asm1" folds the PTX's power of two into the block scale: decoded = E2M1 * scale / ASM1_DIVISOR[dtype], one
+# multiply per pair of weights. 2**106 * scale <= 448 * 2**106 stays finite in bf16, and E2M1 * scale * 2**-20
+# >= 2**-30 stays normal; fp16 allows 2**7 (448 * 2**7 < 65504) and its smallest product, 2**-17, keeps its
+# <= 6 significant bits above fp16's subnormal step 2**-24. Both are exact (test_asm_decoder_bit_logic_in_numpy).
+ASM1_DIVISOR = {"bfloat16": 2.0**20, "float16": 2.0**7}
+_ASM1_PREMULT = {"bfloat16": 2.0**106, "float16": 2.0**7}
+
+
+def output_multiplier(global_scale: jax.Array, method: str = "jnp", dtype=jnp.bfloat16) -> jax.Array:
+  """The float32 factor that turns an accumulator over decoded tiles (of ``dtype``) into the true product."""
+  divisor = {"asm": 1.0, "asm1": ASM1_DIVISOR.get(jnp.dtype(dtype).name)}.get(method, CODE_DIVISOR)
   return jnp.float32(divisor) / global_scale.astype(jnp.float32)
 
 
@@ -79,9 +92,11 @@ def output_multiplier(global_scale: jax.Array, method: str = "jnp") -> jax.Array
 # E2M1 * 2**-BIAS including the subnormal code 0.5; one fma by 2**BIAS restores it (exact: 16-bit float
 # arithmetic keeps subnormals), one by the scale applies the block scale (exact, see above).
 # (Pallas lowers only single-result inline asm, hence one call per nibble.)
-_ASM = """{{
+def _ptx(pow2: str, sign_shift: int, em_shift: int, em_mask: str, ty: str, one_fma: bool) -> str:
+  # one_fma ("asm1"): no multiply by 2**BIAS; the scale operands arrive as scale * _ASM1_PREMULT instead.
+  restore = "" if one_fma else f"mov.b32 c, {pow2};\nfma.rn.{ty} $0, $0, c, z; fma.rn.{ty} $1, $1, c, z;\n"
+  return f"""{{
 .reg .b32 t0, t1, a, b, c, z;
-mov.b32 c, {pow2};
 mov.b32 z, 0x80008000;
 prmt.b32 t0, $2, 0, 0x4140;
 prmt.b32 t1, $2, 0, 0x4342;
@@ -89,40 +104,50 @@ shl.b32 a, t0, {sign_shift}; and.b32 a, a, 0x80008000;
 shl.b32 b, t0, {em_shift}; and.b32 b, b, {em_mask}; or.b32 $0, a, b;
 shl.b32 a, t1, {sign_shift}; and.b32 a, a, 0x80008000;
 shl.b32 b, t1, {em_shift}; and.b32 b, b, {em_mask}; or.b32 $1, a, b;
-fma.rn.{ty} $0, $0, c, z; fma.rn.{ty} $1, $1, c, z;
-fma.rn.{ty} $0, $0, $3, z; fma.rn.{ty} $1, $1, $4, z;
+{restore}fma.rn.{ty} $0, $0, $3, z; fma.rn.{ty} $1, $1, $4, z;
 }}"""
-_ASM_BY_DTYPE = {
+
+
+_LAYOUT = {  # (dtype, half) -> where the nibble's bits go, and the 2**BIAS that restores E2M1 from them
   # bf16: exponent/mantissa bits at 8..6, value E2M1 * 2**-126; 0x7E80 is 2**126.
-  ("bfloat16", "lo"): _ASM.format(pow2="0x7E807E80", sign_shift=12, em_shift=6, em_mask="0x01C001C0",
-                                  ty="bf16x2"),
-  ("bfloat16", "hi"): _ASM.format(pow2="0x7E807E80", sign_shift=8, em_shift=2, em_mask="0x01C001C0",
-                                  ty="bf16x2"),
+  ("bfloat16", "lo"): dict(pow2="0x7E807E80", sign_shift=12, em_shift=6, em_mask="0x01C001C0", ty="bf16x2"),
+  ("bfloat16", "hi"): dict(pow2="0x7E807E80", sign_shift=8, em_shift=2, em_mask="0x01C001C0", ty="bf16x2"),
   # fp16: exponent/mantissa bits at 11..9, value E2M1 * 2**-14; 0x7400 is 2**14.
-  ("float16", "lo"): _ASM.format(pow2="0x74007400", sign_shift=12, em_shift=9, em_mask="0x0E000E00",
-                                 ty="f16x2"),
-  ("float16", "hi"): _ASM.format(pow2="0x74007400", sign_shift=8, em_shift=5, em_mask="0x0E000E00",
-                                 ty="f16x2"),
+  ("float16", "lo"): dict(pow2="0x74007400", sign_shift=12, em_shift=9, em_mask="0x0E000E00", ty="f16x2"),
+  ("float16", "hi"): dict(pow2="0x74007400", sign_shift=8, em_shift=5, em_mask="0x0E000E00", ty="f16x2"),
 }
+_ASM_BY_DECODER = {(decoder, *key): _ptx(**v, one_fma=decoder == "asm1")
+                   for decoder in PTX_DECODERS for key, v in _LAYOUT.items()}
 
 
-def dequant_halves_asm(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-  """Like ``dequant_halves`` but decoded by inline PTX (GPU only): (even, odd) planes equal to E2M1 * scale.
+def dequant_halves_asm(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype, decoder: str = "asm"
+                       ) -> tuple[jax.Array, jax.Array]:
+  """Like ``dequant_halves`` but decoded by inline PTX (GPU only): (even, odd) planes equal to E2M1 * scale
+  ("asm") or E2M1 * scale / ASM1_DIVISOR[dtype] ("asm1"); ``output_multiplier(gs, decoder, dtype)`` undoes it.
 
-  Note the missing 1/64: use ``output_multiplier(gs, "asm")``. Per packed 32-bit word (4 bytes, 8 weights)
-  the PTX spends ~10 bit operations and 4 paired multiply-adds, against a conversion instruction or more per
-  weight on the e4m3 route. The planes must not be interleaved afterwards: measured on an H200 (7f1d80d),
-  joining two asm outputs and reshaping interleaves them by pairs (the 32-bit registers the asm writes), which
-  is what made the first, interleaving version of this decoder wrong; each plane alone is exact.
+  Per packed 32-bit word (4 bytes, 8 weights) the PTX spends ~10 bit operations and 4 paired multiply-adds
+  ("asm") or 2 ("asm1"), against a conversion instruction or more per weight on the e4m3 route. The planes
+  must not be interleaved afterwards: measured on an H200 (7f1d80d), joining two asm outputs and reshaping
+  interleaves them by pairs (the 32-bit registers the asm writes), which is what made the first, interleaving
+  version of this decoder wrong; each plane alone is exact.
   """
   from jax.experimental.pallas import triton as plgpu  # pylint: disable=import-outside-toplevel
 
   dtype = jnp.dtype(dtype)
   scale = scale_RxKb.astype(dtype)  # one scale per 8 packed bytes (16 weights)
+  if decoder == "asm1":
+    scale = scale * jnp.asarray(_ASM1_PREMULT[dtype.name], dtype)  # exact: a power of two, no overflow
   scale_RxKh = jnp.broadcast_to(scale[..., None], (*scale.shape, 8)).reshape(packed_RxKh.shape)
   return tuple(plgpu.elementwise_inline_asm(
-      _ASM_BY_DTYPE[(dtype.name, half)], args=[packed_RxKh, scale_RxKh], constraints="=r,=r,r,r,r",
+      _ASM_BY_DECODER[(decoder, dtype.name, half)], args=[packed_RxKh, scale_RxKh], constraints="=r,=r,r,r,r",
       pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(packed_RxKh.shape, dtype)])[0] for half in ("lo", "hi"))
+
+
+def decode_halves(dequant: str):
+  """The halves-layout tile decoder for ``dequant`` ("halves", "asm" or "asm1"): f(packed, scale, dtype)."""
+  if dequant in PTX_DECODERS:
+    return functools.partial(dequant_halves_asm, decoder=dequant)
+  return dequant_halves
 
 
 def layer_operands(packed, scale, global_scale, layer) -> tuple[list, int]:
@@ -154,7 +179,7 @@ def drop_poison_ref(kernel, *refs):
 def decoder(dequant: str, interpret: bool) -> str:
   """The tile decoder a launch uses: inline PTX cannot run in interpret mode, which decodes the same
   "halves" layout with jnp."""
-  return "halves" if interpret and dequant == "asm" else dequant
+  return "halves" if interpret and dequant in PTX_DECODERS else dequant
 
 
 def launch(kernel, operands: list, *, rows: int, cols: int, split: int, dtype, grid: tuple[int, int],
