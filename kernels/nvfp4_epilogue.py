@@ -56,7 +56,9 @@ def term(refs, epi: Epilogue, rows, row_mask, cols, col_mask) -> jax.Array | flo
     acc = None
     for r in range(epi.rank):
       rank = jnp.int32(r)  # Pallas indexes refs with traced ints, not Python ones
-      xa_M = plgpu.load(xa_ref.at[rows, rank], mask=row_mask, other=0.0).astype(jnp.float32)
+      # (Triton takes no fill value without a mask: the gemv passes row_mask None, every row exists.)
+      xa_M = (plgpu.load(xa_ref.at[rows, rank]) if row_mask is None
+              else plgpu.load(xa_ref.at[rows, rank], mask=row_mask, other=0.0)).astype(jnp.float32)
       b_N = plgpu.load(b_ref.at[rank, cols], mask=col_mask, other=0.0).astype(jnp.float32)
       outer = xa_M[:, None] * b_N[None, :]
       acc = outer if acc is None else acc + outer

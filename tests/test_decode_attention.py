@@ -70,3 +70,11 @@ def test_decode_attention_rejects_shapes_that_do_not_fit():
     decode_attention(q[:1], k, k, 0, jnp.ones((1, 40), bool), interpret=True)  # batch mismatch
   with pytest.raises(ValueError, match="must be powers of two"):
     decode_attention(q, k, k, 0, jnp.ones((2, 40), bool), block_s=24, interpret=True)
+
+
+def test_decode_attention_lowers_to_triton_for_cuda():
+  """The Pallas -> Triton lowering that interpret mode skips, done for a CUDA GPU on this CPU machine."""
+  q, k, v, mask = _case("lowering", 2, 2, 28, 4, 64, 96, 80)
+  f = lambda q, k, v, mask, n: decode_attention(q, k, v, jnp.int32(1), mask, num_visible=n, block_s=16)
+  text = jax.jit(f).trace(q, k, v, mask, jnp.int32(40)).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 1

@@ -430,3 +430,41 @@ def test_xla_path_from_the_devices_measured_crossover(monkeypatch):
   assert mm.default_implementation(jnp.float32, 1) == "xla"
   monkeypatch.setattr(mm, "_device_kind", lambda: "Some Other GPU")
   assert mm.default_implementation(jnp.bfloat16, 1 << 20) == "pallas"
+
+
+_LOWERING_CASES = {  # name -> (direction, config, with the epilogue)
+  "fwd-tile-jnp": ("fwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64), False),
+  "fwd-tile-halves": ("fwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64, dequant="halves"), False),
+  "fwd-tile-asm-epilogue": ("fwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64, split=2, dequant="asm"),
+                            True),
+  "fwd-gemv-jnp-epilogue": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv"), True),
+  "fwd-gemv-asm-epilogue": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv", dequant="asm"), True),
+  "bwd-jnp": ("bwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64), False),
+  "bwd-asm": ("bwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64, split=2, dequant="asm"), False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_LOWERING_CASES))
+def test_kernels_lower_to_triton_for_cuda(case):
+  """Lowers each kernel variant for a CUDA GPU on this CPU machine: the Pallas -> Triton step that interpret
+  mode skips. (A masked load's fill value without a mask passed interpret mode and failed only on the GPU.)"""
+  from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
+  from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
+
+  direction, cfg, epilogue = _LOWERING_CASES[case]
+  k, n, m = 256, 96, 2
+  q = _random_q(np.random.default_rng(0), k, n)
+  weights = (q.packed_NxKh, q.scale_NxKb, q.global_scale)
+  if direction == "bwd":
+    f = lambda dy, *w: nvfp4_matmul_bwd_pallas(dy, *w, config=cfg)
+    args = (jnp.ones((m, n), jnp.bfloat16), *weights)
+  elif epilogue:
+    f = lambda x, xa, b, bias, *w: nvfp4_matmul_fwd_pallas(x, *w, config=cfg, xa_MxR=xa, b_RxN=b, bias_N=bias,
+                                                           lora_scale=2.0)
+    args = (jnp.ones((m, k), jnp.bfloat16), jnp.ones((m, 4), jnp.bfloat16), jnp.ones((4, n), jnp.bfloat16),
+            jnp.ones((n,), jnp.bfloat16), *weights)
+  else:
+    f = lambda x, *w: nvfp4_matmul_fwd_pallas(x, *w, config=cfg)
+    args = (jnp.ones((m, k), jnp.bfloat16), *weights)
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 1, text[:2000]
