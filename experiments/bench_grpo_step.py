@@ -195,7 +195,7 @@ def main():
   p.add_argument("--memory-analysis", action="store_true",
                  help="also record XLA's memory_analysis() of the rollout, log-prob and update programs")
   p.add_argument("--mesh", default="1,1,1", help="data,fsdp,tensor sizes (-1 = the rest)")
-  p.add_argument("--decode-attention", default="xla", choices=["xla", "pallas"],
+  p.add_argument("--decode-attention", default="auto", choices=["xla", "pallas", "auto"],
                  help="one-token attention in the rollout (see bench_rollout.py)")
   p.add_argument("--decode-layers", default="unrolled", choices=["unrolled", "scan"],
                  help="the rollout's layer loop (see bench_rollout.py)")

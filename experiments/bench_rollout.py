@@ -242,7 +242,7 @@ def main():
                  help="JSON lines file (default experiments/results/rollout.jsonl; with --smoke, none)")
   p.add_argument("--variant", default="scan", choices=["scan", "unrolled"],
                  help="layer loop: lax.scan over stacked layers (default) or unrolled (experiment)")
-  p.add_argument("--decode-attention", default="xla", choices=["xla", "pallas"],
+  p.add_argument("--decode-attention", default="auto", choices=["xla", "pallas", "auto"],
                  help="one-token attention: XLA over the layer's cache slice, or the Pallas kernel that reads "
                       "the stacked cache in place (kernels/decode_attention.py)")
   p.add_argument("--decode-layers", default="unrolled", choices=["unrolled", "scan"],

@@ -335,5 +335,9 @@ def test_pallas_decode_attention_gives_the_xla_decode_logits(model_and_seed):
       step_logits.append(np.asarray(logits))
     outs.append(np.stack(step_logits))
   np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=1e-4, err_msg=f"{seed=}")
+  for choice, kernel_expected in (("auto", False), ("pallas", True)):  # "auto": the kernel only on a GPU
+    graphdef = nnx.split(Transformer(config.replace(decode_attention=choice), model.params(), lora=model.lora))[0]
+    jaxpr = jax.make_jaxpr(lambda c: _step(graphdef, state, tokens, pos, c, jnp.int32(prompt_len), valid))(cache)
+    assert ("decode_attention" in str(jaxpr)) == kernel_expected, choice
   with pytest.raises(ValueError, match="decode_attention='flash' must be"):
     config.replace(decode_attention="flash")

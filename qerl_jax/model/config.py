@@ -56,10 +56,12 @@ class ModelConfig:
   remat_policy: str = "nothing_saveable"  # a name in jax.checkpoint_policies
   # Queries per attention block for long sequences (0: all at once); see attention.attend.
   attn_query_chunk: int = 1024
-  # One-token decode steps: "xla" (attention.attend over the layer's whole cache) or "pallas"
+  # One-token decode steps: "xla" (attention.attend over the layer's whole cache), "pallas"
   # (kernels.decode_attention reads the layer's cache in place, up to the token's own slot; interpret mode
-  # off the GPU).
-  decode_attention: str = "xla"
+  # off the GPU) or "auto" (pallas on a GPU, xla elsewhere). On an H200 at e7ec3b0 (7B, slot 768 of 1280)
+  # pallas took the NVFP4 step 10.52 -> 9.76 ms at batch 64, 6.21 -> 6.03 at 8, and bf16 8.39 -> 7.41 at 64;
+  # 5.31 vs 5.38 at batch 1 (noise).
+  decode_attention: str = "auto"
   # The rollout's layer loop (`qerl_jax.rollout.engine`): "unrolled" copies, once per rollout, every layer
   # parameter the NVFP4 kernels cannot read in place (16-bit weights, adapters, norms, biases) into its own
   # buffer and keeps the KV cache per layer, so a decode step slices nothing; "scan" slices the stacked
@@ -89,8 +91,8 @@ class ModelConfig:
       raise ValueError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-    if self.decode_attention not in ("xla", "pallas"):
-      raise ValueError(f"decode_attention={self.decode_attention!r} must be 'xla' or 'pallas'")
+    if self.decode_attention not in ("xla", "pallas", "auto"):
+      raise ValueError(f"decode_attention={self.decode_attention!r} must be 'xla', 'pallas' or 'auto'")
     if self.decode_layers not in ("unrolled", "scan"):
       raise ValueError(f"decode_layers={self.decode_layers!r} must be 'unrolled' or 'scan'")
     rope_type = self.rope_scaling_dict.get("rope_type", "default")

@@ -86,12 +86,14 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
     k_cache = jax.lax.dynamic_update_slice(k_cache, k_new.astype(k_cache.dtype), start)
     v_cache = jax.lax.dynamic_update_slice(v_cache, v_new.astype(v_cache.dtype), start)
     kv = (k_cache, v_cache)
-    if t == 1 and config.decode_attention == "pallas":  # reads this layer's cache in place
+    on_gpu = jax.default_backend() == "gpu"
+    if t == 1 and (config.decode_attention == "pallas" or config.decode_attention == "auto" and on_gpu):
+      # The kernel reads this layer's cache in place.
       from kernels.decode_attention import decode_attention  # pylint: disable=import-outside-toplevel
       k_stack, v_stack, index = (k_cache, v_cache, layer) if stacked else (k_cache[None], v_cache[None], 0)
       # Slots past this token's own are invisible to every row: their blocks are not read.
       o = decode_attention(q[:, 0], k_stack, v_stack, index, mask_BxTxS[:, 0], num_visible=cache_index + 1,
-                           interpret=jax.default_backend() != "gpu")[:, None]
+                           interpret=not on_gpu)[:, None]
     else:
       k_all = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False) if stacked else k_cache
       v_all = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False) if stacked else v_cache
