@@ -250,7 +250,7 @@ def main(argv=None):
                  help="at forward rows <= 16 also time every gemv-engine candidate; the fastest is reported")
   p.add_argument("--decoders", default="",
                  help="comma-separated tile decoders to time on each tuned config, or with --sweep on each "
-                      "candidate (e.g. jnp,asm,asm1)")
+                      "candidate (e.g. jnp,halves,asm)")
   args = p.parse_args(argv)
   global _INTERPRET
   _INTERPRET = args.interpret
@@ -312,20 +312,29 @@ def main(argv=None):
 
 
 def tuning_entries(swept):
-  """Per (direction, row bucket): the candidate with the least summed time relative to each case's best."""
-  best_us, scores = {}, {}
+  """Per (direction, row bucket): the candidate with the least summed time relative to each case's best.
+
+  Only candidates timed on every case of their bucket compete: one that failed on a shape would otherwise
+  win by having one term fewer in its sum (it did at b38e8cc).
+  """
+  best_us, scores, cases, timed = {}, {}, {}, {}
   for r in swept:
     case = (r["shape"], r["direction"], r["rows"])
     best_us[case] = min(best_us.get(case, float("inf")), r["us"])
   for r in swept:
     cfg = dict(r["candidate"])
     cfg.pop("split")
-    key = (r["direction"], _bucket(r["direction"], r["rows"]), json.dumps(cfg, sort_keys=True))
-    scores[key] = scores.get(key, 0.0) + r["us"] / best_us[(r["shape"], r["direction"], r["rows"])]
+    bucket = (r["direction"], _bucket(r["direction"], r["rows"]))
+    key = (*bucket, json.dumps(cfg, sort_keys=True))
+    case = (r["shape"], r["direction"], r["rows"])
+    cases.setdefault(bucket, set()).add(case)
+    timed.setdefault(key, set()).add(case)
+    scores[key] = scores.get(key, 0.0) + r["us"] / best_us[case]
   entries = {}
   for (direction, bucket, cfg), score in sorted(scores.items(), key=lambda t: t[1]):
-    entries.setdefault((direction, bucket), {"direction": direction, "max_rows": bucket,
-                                             "config": json.loads(cfg), "score": round(score, 3)})
+    if timed[(direction, bucket, cfg)] == cases[(direction, bucket)]:
+      entries.setdefault((direction, bucket), {"direction": direction, "max_rows": bucket,
+                                               "config": json.loads(cfg), "score": round(score, 3)})
   return [entries[k] for k in sorted(entries)]
 
 

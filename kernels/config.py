@@ -17,7 +17,7 @@ import os
 _TUNING_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 # Streaming multiprocessors to fill with programs when there are few rows (132 on the H100/H200 SXM).
 _DEFAULT_NUM_SMS = 132
-DECODERS = ("jnp", "halves", "asm", "asm1")
+DECODERS = ("jnp", "halves", "asm")
 HALVES_DECODERS = DECODERS[1:]  # the decoders that split x (or dx) into even and odd columns
 ENGINES = ("tensorcore", "gemv")
 # The gemv engine unrolls its rows (one accumulator each); past this many the tensor-core kernel runs.
@@ -36,8 +36,7 @@ class Nvfp4MatmulConfig:
   dequant: how tiles are decoded: "jnp" (decode, then interleave the two nibbles of each byte into logical
   order), "halves" (no interleave: the even and odd columns of x are split outside the kernel and each
   nibble plane meets its half; needs block_k >= 32), or "asm" (the "halves" layout decoded by inline PTX:
-  a few bit operations and paired multiply-adds per packed word; GPU only, interpret mode runs "halves"), or
-  "asm1" (the same PTX with one multiply per weight pair instead of two: the bias power folded into the scale).
+  a few bit operations and paired multiply-adds per packed word; GPU only, interpret mode runs "halves").
   engine: "tensorcore" (the tile kernels above) or "gemv" (forward only, at most GEMV_MAX_ROWS rows: each
   decoded weight meets its x element in a float32 multiply-add on the CUDA cores; block_m is unused there
   and dequant is "asm" or the e4m3 route). ``fit`` turns a gemv config into a tensor-core one where gemv

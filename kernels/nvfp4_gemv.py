@@ -46,7 +46,7 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
   x_ref f32 [M, 2, K/16, 8]; layer_ref int32 [1]; packed_ref uint8 [L*N, K/16, 8]; scale_ref e4m3
   [L*N, K/16]; gs_ref f32 [L] (rows layer*N .. layer*N + N are this weight); rest: the epilogue's refs
   (``nvfp4_epilogue``), then o_ref [M, N] (x dtype) when split == 1, else float32 partials [split, M, N].
-  dequant "asm" / "asm1" decode with inline PTX (GPU only); any other value with the e4m3 conversion.
+  dequant "asm" decodes with inline PTX (GPU only); any other value with the e4m3 conversion.
   """
   *epi_refs, o_ref = rest
   layer = layer_ref[0]
@@ -62,9 +62,9 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
     blocks = pl.ds(b0, block_b)
     p_NxBx8 = plgpu.load(packed_ref.at[w_rows, blocks, :], mask=col_mask[:, None, None], other=0)
     s_NxB = plgpu.load(scale_ref.at[w_rows, blocks], mask=col_mask[:, None], other=0.0)
-    if dequant in nvfp4_tile.PTX_DECODERS:  # E2M1 * scale (/ 2**20), exact in bf16, from inline PTX
+    if dequant in nvfp4_tile.PTX_DECODERS:  # E2M1 * scale, exact in bf16, from inline PTX
       lo, hi = (plane.astype(jnp.float32)
-                for plane in nvfp4_tile.dequant_halves_asm(p_NxBx8, s_NxB, jnp.bfloat16, dequant))
+                for plane in nvfp4_tile.dequant_halves_asm(p_NxBx8, s_NxB, jnp.bfloat16))
     else:  # E2M1 / 64 exactly (see nvfp4_tile): the hardware e4m3 conversion does the decode
       s_NxB = s_NxB.astype(jnp.float32)
       lo_bits, hi_bits = nvfp4_tile.nibbles_to_e4m3_bits(p_NxBx8)
@@ -81,7 +81,7 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
 
   zeros = tuple(jnp.zeros((block_n, block_b), jnp.float32) for _ in range(rows))
   accs = jax.lax.fori_loop(0, b_per_split // block_b, body, zeros)
-  multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant, jnp.bfloat16)
+  multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
   for r in range(rows):
     y_N = jnp.sum(accs[r], axis=-1) * multiplier
     row = jnp.int32(r)

@@ -29,7 +29,7 @@ def nvfp4_matmul_bwd_kernel(dy_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_
   dy_ref [M, N]; layer_ref int32 [1]; packed_ref uint8 [L*N, K/2]; scale_ref e4m3 [L*N, K/16]; gs_ref f32
   [L] (rows layer*N .. layer*N + N are this weight);
   o_ref [M, K] (dy dtype) when split == 1, else float32 partials [split, M, K]; with a halves-layout dequant
-  ("halves", "asm", "asm1") each block_k run of dx's columns is written as its even columns, then its odd ones (``halves_order``).
+  ("halves", "asm") each block_k run of dx's columns is written as its even columns, then its odd ones (``halves_order``).
   """
   m, n = dy_ref.shape
   k = 2 * packed_ref.shape[1]
@@ -55,7 +55,7 @@ def nvfp4_matmul_bwd_kernel(dy_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_
     return dy_MxN, p_NxKh, s_NxKb
 
   contract = (((0,), (1,)), ((), ()))
-  multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant, dy_ref.dtype)
+  multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
   mask = row_mask[:, None]
   if dequant in nvfp4_tile.HALVES_DECODERS:  # two accumulators, dx's even and odd columns: no interleave
     decode = nvfp4_tile.decode_halves(dequant)

@@ -92,7 +92,7 @@ def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *re
 
   acc_NxM = jax.lax.fori_loop(0, k_per_split // block_k, body,
                               jnp.zeros((block_n, block_m), jnp.float32))
-  y_MxN = acc_NxM.T * nvfp4_tile.output_multiplier(gs_ref[layer], dequant, x_ref.dtype)
+  y_MxN = acc_NxM.T * nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
   if epilogue.num_refs:
     extra = nvfp4_epilogue.term(epi_refs, epilogue, pl.ds(pid_m * block_m, block_m), row_mask,
                                 pl.ds(pid_n * block_n, block_n), col_mask)

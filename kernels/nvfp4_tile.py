@@ -70,18 +70,12 @@ def dequant_halves(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype) -> tupl
 
 # Decoders that work in the "halves" layout (two nibble planes, no interleave), and those written in PTX.
 HALVES_DECODERS = config.HALVES_DECODERS
-PTX_DECODERS = ("asm", "asm1")
-# "asm1" folds the PTX's power of two into the block scale: decoded = E2M1 * scale / ASM1_DIVISOR[dtype], one
-# multiply per pair of weights. 2**106 * scale <= 448 * 2**106 stays finite in bf16, and E2M1 * scale * 2**-20
-# >= 2**-30 stays normal; fp16 allows 2**7 (448 * 2**7 < 65504) and its smallest product, 2**-17, keeps its
-# <= 6 significant bits above fp16's subnormal step 2**-24. Both are exact (test_asm_decoder_bit_logic_in_numpy).
-ASM1_DIVISOR = {"bfloat16": 2.0**20, "float16": 2.0**7}
-_ASM1_PREMULT = {"bfloat16": 2.0**106, "float16": 2.0**7}
+PTX_DECODERS = ("asm",)
 
 
-def output_multiplier(global_scale: jax.Array, method: str = "jnp", dtype=jnp.bfloat16) -> jax.Array:
-  """The float32 factor that turns an accumulator over decoded tiles (of ``dtype``) into the true product."""
-  divisor = {"asm": 1.0, "asm1": ASM1_DIVISOR.get(jnp.dtype(dtype).name)}.get(method, CODE_DIVISOR)
+def output_multiplier(global_scale: jax.Array, method: str = "jnp") -> jax.Array:
+  """The float32 factor that turns an accumulator over decoded tiles into the true product."""
+  divisor = 1.0 if method in PTX_DECODERS else CODE_DIVISOR
   return jnp.float32(divisor) / global_scale.astype(jnp.float32)
 
 
@@ -92,11 +86,10 @@ def output_multiplier(global_scale: jax.Array, method: str = "jnp", dtype=jnp.bf
 # E2M1 * 2**-BIAS including the subnormal code 0.5; one fma by 2**BIAS restores it (exact: 16-bit float
 # arithmetic keeps subnormals), one by the scale applies the block scale (exact, see above).
 # (Pallas lowers only single-result inline asm, hence one call per nibble.)
-def _ptx(pow2: str, sign_shift: int, em_shift: int, em_mask: str, ty: str, one_fma: bool) -> str:
-  # one_fma ("asm1"): no multiply by 2**BIAS; the scale operands arrive as scale * _ASM1_PREMULT instead.
-  restore = "" if one_fma else f"mov.b32 c, {pow2};\nfma.rn.{ty} $0, $0, c, z; fma.rn.{ty} $1, $1, c, z;\n"
+def _ptx(pow2: str, sign_shift: int, em_shift: int, em_mask: str, ty: str) -> str:
   return f"""{{
 .reg .b32 t0, t1, a, b, c, z;
+mov.b32 c, {pow2};
 mov.b32 z, 0x80008000;
 prmt.b32 t0, $2, 0, 0x4140;
 prmt.b32 t1, $2, 0, 0x4342;
@@ -104,7 +97,8 @@ shl.b32 a, t0, {sign_shift}; and.b32 a, a, 0x80008000;
 shl.b32 b, t0, {em_shift}; and.b32 b, b, {em_mask}; or.b32 $0, a, b;
 shl.b32 a, t1, {sign_shift}; and.b32 a, a, 0x80008000;
 shl.b32 b, t1, {em_shift}; and.b32 b, b, {em_mask}; or.b32 $1, a, b;
-{restore}fma.rn.{ty} $0, $0, $3, z; fma.rn.{ty} $1, $1, $4, z;
+fma.rn.{ty} $0, $0, c, z; fma.rn.{ty} $1, $1, c, z;
+fma.rn.{ty} $0, $0, $3, z; fma.rn.{ty} $1, $1, $4, z;
 }}"""
 
 
@@ -116,38 +110,33 @@ _LAYOUT = {  # (dtype, half) -> where the nibble's bits go, and the 2**BIAS that
   ("float16", "lo"): dict(pow2="0x74007400", sign_shift=12, em_shift=9, em_mask="0x0E000E00", ty="f16x2"),
   ("float16", "hi"): dict(pow2="0x74007400", sign_shift=8, em_shift=5, em_mask="0x0E000E00", ty="f16x2"),
 }
-_ASM_BY_DECODER = {(decoder, *key): _ptx(**v, one_fma=decoder == "asm1")
-                   for decoder in PTX_DECODERS for key, v in _LAYOUT.items()}
+_ASM_BY_DTYPE = {key: _ptx(**v) for key, v in _LAYOUT.items()}
 
 
-def dequant_halves_asm(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype, decoder: str = "asm"
-                       ) -> tuple[jax.Array, jax.Array]:
-  """Like ``dequant_halves`` but decoded by inline PTX (GPU only): (even, odd) planes equal to E2M1 * scale
-  ("asm") or E2M1 * scale / ASM1_DIVISOR[dtype] ("asm1"); ``output_multiplier(gs, decoder, dtype)`` undoes it.
+def dequant_halves_asm(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """Like ``dequant_halves`` but decoded by inline PTX (GPU only): (even, odd) planes equal to E2M1 * scale.
 
-  Per packed 32-bit word (4 bytes, 8 weights) the PTX spends ~10 bit operations and 4 paired multiply-adds
-  ("asm") or 2 ("asm1"), against a conversion instruction or more per weight on the e4m3 route. The planes
-  must not be interleaved afterwards: measured on an H200 (7f1d80d), joining two asm outputs and reshaping
-  interleaves them by pairs (the 32-bit registers the asm writes), which is what made the first, interleaving
-  version of this decoder wrong; each plane alone is exact.
+  Note the missing 1/64: use ``output_multiplier(gs, "asm")``. Per packed 32-bit word (4 bytes, 8 weights)
+  the PTX spends ~10 bit operations and 4 paired multiply-adds, against a conversion instruction or more per
+  weight on the e4m3 route. (Folding the 2**BIAS multiply into the block scale, one multiply-add per pair
+  instead of two, made no kernel faster: 0.9-1.0x on 7B shapes at b38e8cc; the tile kernels are not bound
+  by these instructions.) The planes must not be interleaved afterwards: measured on an H200 (7f1d80d),
+  joining two asm outputs and reshaping interleaves them by pairs (the 32-bit registers the asm writes), which
+  is what made the first, interleaving version of this decoder wrong; each plane alone is exact.
   """
   from jax.experimental.pallas import triton as plgpu  # pylint: disable=import-outside-toplevel
 
   dtype = jnp.dtype(dtype)
   scale = scale_RxKb.astype(dtype)  # one scale per 8 packed bytes (16 weights)
-  if decoder == "asm1":
-    scale = scale * jnp.asarray(_ASM1_PREMULT[dtype.name], dtype)  # exact: a power of two, no overflow
   scale_RxKh = jnp.broadcast_to(scale[..., None], (*scale.shape, 8)).reshape(packed_RxKh.shape)
   return tuple(plgpu.elementwise_inline_asm(
-      _ASM_BY_DECODER[(decoder, dtype.name, half)], args=[packed_RxKh, scale_RxKh], constraints="=r,=r,r,r,r",
+      _ASM_BY_DTYPE[(dtype.name, half)], args=[packed_RxKh, scale_RxKh], constraints="=r,=r,r,r,r",
       pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(packed_RxKh.shape, dtype)])[0] for half in ("lo", "hi"))
 
 
 def decode_halves(dequant: str):
-  """The halves-layout tile decoder for ``dequant`` ("halves", "asm" or "asm1"): f(packed, scale, dtype)."""
-  if dequant in PTX_DECODERS:
-    return functools.partial(dequant_halves_asm, decoder=dequant)
-  return dequant_halves
+  """The halves-layout tile decoder for ``dequant`` ("halves" or "asm"): f(packed, scale, dtype)."""
+  return dequant_halves_asm if dequant in PTX_DECODERS else dequant_halves
 
 
 def layer_operands(packed, scale, global_scale, layer) -> tuple[list, int]:

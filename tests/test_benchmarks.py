@@ -39,6 +39,19 @@ def test_bench_kernels_times_tile_gemv_and_xla_paths_after_checking_them(tmp_pat
       assert r["check_rel_err"] < 1e-2
 
 
+def test_tuning_entries_let_only_candidates_timed_on_every_shape_win():
+  from experiments import bench_kernels
+
+  def rec(shape, rows, block_n, us):
+    return dict(shape=shape, direction="fwd", rows=rows, us=us,
+                candidate=dict(block_m=64, block_n=block_n, block_k=128, split=1, num_warps=4))
+
+  swept = [rec("a", 64, 64, 10.0), rec("b", 64, 64, 30.0), rec("a", 64, 128, 12.0), rec("b", 64, 128, 20.0),
+           rec("a", 64, 256, 9.0)]  # 256 failed on b: its one term (1.0) must not beat 128 (12/9 + 20/20)
+  (entry,) = bench_kernels.tuning_entries(swept)
+  assert (entry["max_rows"], entry["config"]["block_n"], entry["score"]) == (64, 128, 2.333)
+
+
 def test_bench_layer_slicing_counts_the_slices_of_each_form(tmp_path):
   from experiments import bench_layer_slicing
   out = tmp_path / "slicing.jsonl"

@@ -257,9 +257,8 @@ def test_few_row_forwards_shorten_k_steps_when_they_admit_no_split():
   assert bwd.block_k == 64
 
 
-@pytest.mark.parametrize("decoder", ["asm", "asm1"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_asm_decoder_bit_logic_in_numpy(dtype, decoder):
+def test_asm_decoder_bit_logic_in_numpy(dtype):
   """Emulates the PTX decoder for all 256 bytes times every finite e4m3 block scale (its constants are read
   back from the asm text): prmt/shift/mask steps, then each multiply rounded to ``dtype`` as the hardware does.
   A wrong constant, or a product that is not exact (overflow, lost bits), fails here though CI cannot run asm."""
@@ -273,20 +272,17 @@ def test_asm_decoder_bit_logic_in_numpy(dtype, decoder):
   b = np.arange(256, dtype=np.uint64)
   t = b | (b << 16)  # what prmt 0x4140 makes of bytes (b, b): byte 0 -> bits 0..7, byte 1 -> bits 16..23
   for half, nib in (("lo", b & 15), ("hi", b >> 4)):
-    asm = nvfp4_tile._ASM_BY_DECODER[(decoder, dtype, half)]
+    asm = nvfp4_tile._ASM_BY_DTYPE[(dtype, half)]
     (sign_shift, em_shift, em_mask), = set(re.findall(
         r"shl\.b32 a, t0, (\d+); and\.b32 a, a, 0x80008000;\s*shl\.b32 b, t0, (\d+); and\.b32 b, b, (0x\w+)",
         asm))
     r = (((t << int(sign_shift)) & 0x80008000) | ((t << int(em_shift)) & int(em_mask, 16))) & 0xFFFFFFFF
-    pow2 = re.search(r"mov\.b32 c, (0x\w+)", asm)
-    assert (pow2 is None) == (decoder == "asm1")
-    scale_operand = rounded(scales * nvfp4_tile._ASM1_PREMULT[dtype]) if decoder == "asm1" else scales
-    divisor = np.float64(nvfp4_tile.output_multiplier(jnp.float32(1), decoder, np_dtype))
+    pow2 = int(re.search(r"mov\.b32 c, (0x\w+)", asm).group(1), 16) & 0xFFFF
+    mult = np.array([pow2], np.uint16).view(np_dtype).astype(np.float64)[0]
+    divisor = np.float64(nvfp4_tile.output_multiplier(jnp.float32(1), "asm"))
     for part in (r & 0xFFFF, r >> 16):
-      v = part.astype(np.uint16).view(np_dtype).astype(np.float64)
-      if pow2 is not None:
-        v = rounded(v * np.array([int(pow2.group(1), 16) & 0xFFFF], np.uint16).view(np_dtype).astype(np.float64))
-      got_CxS = rounded(v[:, None] * scale_operand[None, :])
+      v = rounded(part.astype(np.uint16).view(np_dtype).astype(np.float64) * mult)
+      got_CxS = rounded(v[:, None] * scales[None, :])
       want_CxS = E2M1[nib.astype(np.int64)][:, None] * scales[None, :]
       np.testing.assert_array_equal(got_CxS * divisor, want_CxS)
 
@@ -335,11 +331,10 @@ def _dispatch_configs(kind):
     # "asm" (inline PTX on the GPU) runs its layout with the jnp decode in interpret mode: the plumbing.
     "asm": (Nvfp4MatmulConfig(**tile, dequant="asm"), Nvfp4MatmulConfig(**tile, dequant="asm")),
     "asm-gemv": (Nvfp4MatmulConfig(**gemv, dequant="asm"), None),
-    "asm1": (Nvfp4MatmulConfig(**tile, dequant="asm1"), Nvfp4MatmulConfig(**tile, dequant="asm1")),
   }[kind]
 
 
-@pytest.mark.parametrize("kind", ["halves", "gemv", "asm", "asm-gemv", "asm1"])
+@pytest.mark.parametrize("kind", ["halves", "gemv", "asm", "asm-gemv"])
 def test_decoders_and_engines_through_dispatch_and_grad(request, kind):
   fwd_config, bwd_config = _dispatch_configs(kind)
   rng = _rng(request)
