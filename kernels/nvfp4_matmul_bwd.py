@@ -51,7 +51,8 @@ def nvfp4_matmul_bwd_kernel(dy_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_
     w_rows = pl.ds(layer * n + n0, block_n)
     p_NxKh = plgpu.load(packed_ref.at[w_rows, pl.ds(pl.multiple_of(k0 // 2, block_k // 2), block_k // 2)],
                         mask=col_mask[:, None], other=0)
-    s_NxKb = plgpu.load(scale_ref.at[w_rows, pl.ds(k0 // 16, block_k // 16)], mask=col_mask[:, None], other=0.0)
+    s_NxKb = plgpu.load(scale_ref.at[w_rows, pl.ds(pl.multiple_of(k0 // 16, block_k // 16), block_k // 16)],
+                        mask=col_mask[:, None], other=0.0)
     return dy_MxN, p_NxKh, s_NxKb
 
   contract = (((0,), (1,)), ((), ()))

@@ -76,7 +76,10 @@ def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *re
     k0 = pl.multiple_of(k_start + i * block_k, block_k)
     p_NxKh = plgpu.load(packed_ref.at[w_rows, pl.ds(pl.multiple_of(k0 // 2, block_k // 2), block_k // 2)],
                         mask=col_mask[:, None], other=0)
-    s_NxKb = plgpu.load(scale_ref.at[w_rows, pl.ds(k0 // 16, block_k // 16)], mask=col_mask[:, None], other=0.0)
+    # The alignment hint lets Triton load the scales with 16-byte async copies inside its software pipeline;
+    # without it each thread fetched them one byte at a time, synchronously, every step (SASS at 61ea4fd).
+    s_NxKb = plgpu.load(scale_ref.at[w_rows, pl.ds(pl.multiple_of(k0 // 16, block_k // 16), block_k // 16)],
+                        mask=col_mask[:, None], other=0.0)
     contract = (((1,), (1,)), ((), ()))
     if dequant in nvfp4_tile.HALVES_DECODERS:  # the low nibbles meet x's even columns, the high ones its odd
       rows = pl.ds(pid_m * block_m, block_m)
