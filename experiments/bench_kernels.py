@@ -57,10 +57,16 @@ _C = Nvfp4MatmulConfig
 CANDIDATES = {
   ("fwd", 16): [_C(16, 64, 256, num_warps=4, num_stages=4), _C(16, 128, 256, num_warps=4, num_stages=3),
                 _C(16, 64, 512, num_warps=4, num_stages=3), _C(16, 32, 512, num_warps=4, num_stages=4),
-                _C(16, 128, 128, num_warps=4, num_stages=4), _C(16, 256, 128, num_warps=8, num_stages=3)],
+                _C(16, 128, 128, num_warps=4, num_stages=4), _C(16, 256, 128, num_warps=8, num_stages=3),
+                # Two stages: less shared memory, more programs per SM (kernel_sass at 0dcb044: 16/64/128
+                # fits 5 per SM, 20 warps, against 3 for the tuned 16/64/256 with 4 stages)
+                _C(16, 64, 128, num_warps=4, num_stages=2), _C(16, 64, 256, num_warps=4, num_stages=2)],
   ("fwd", 64): [_C(64, 64, 128, num_warps=4, num_stages=4), _C(64, 128, 128, num_warps=4, num_stages=3),
                 _C(64, 64, 256, num_warps=4, num_stages=3), _C(32, 64, 256, num_warps=4, num_stages=4),
-                _C(64, 128, 128, num_warps=8, num_stages=3), _C(32, 128, 128, num_warps=4, num_stages=4)],
+                _C(64, 128, 128, num_warps=8, num_stages=3), _C(32, 128, 128, num_warps=4, num_stages=4),
+                # (kernel_sass at 0dcb044: the tuned 64/64/256 with 3 stages fits 1 program per SM, 4 warps;
+                # these 3-4 programs, 12-16 warps)
+                _C(64, 64, 128, num_warps=4, num_stages=2), _C(32, 64, 256, num_warps=4, num_stages=2)],
   ("fwd", 256): [_C(64, 128, 64, num_warps=4, num_stages=4), _C(128, 128, 64, num_warps=8, num_stages=3),
                  _C(64, 128, 128, num_warps=4, num_stages=3), _C(128, 64, 128, num_warps=4, num_stages=3)],
   ("fwd", 1 << 30): [_C(128, 128, 64, num_warps=8, num_stages=3), _C(128, 256, 64, num_warps=8, num_stages=3),
@@ -77,9 +83,10 @@ CANDIDATES = {
 
 
 # Few-row (gemv engine) candidates for --gemv: (block_n, block_k, num_warps, num_stages).
-GEMV_CANDIDATES = [_C(block_n=bn, block_k=bk, num_warps=w, num_stages=st, engine="gemv")
-                   for bn, bk, w, st in [(32, 256, 4, 3), (64, 256, 4, 3), (32, 512, 4, 3), (64, 128, 4, 3),
-                                         (16, 512, 4, 3), (64, 256, 8, 3), (128, 128, 8, 2)]]
+GEMV_CANDIDATES = [_C(block_n=bn, block_k=bk, num_warps=w, num_stages=st, engine="gemv", prefetch=pf)
+                   for bn, bk, w, st, pf in [(32, 256, 4, 3, False), (64, 256, 4, 3, False), (32, 512, 4, 3, False),
+                                             (64, 128, 4, 3, False), (16, 512, 4, 3, False), (64, 256, 8, 3, False),
+                                             (128, 128, 8, 2, False), (16, 512, 4, 3, True), (32, 256, 4, 3, True)]]
 
 
 def _time_loop(op, x, ws, min_ms: float = 5.0, reps: int = 5) -> float:

@@ -52,6 +52,7 @@ class Nvfp4MatmulConfig:
   num_stages: int = 3
   dequant: str = "jnp"  # "jnp" | "halves" (portable, interpret-mode testable) | "asm" (inline PTX, GPU only)
   engine: str = "tensorcore"  # "tensorcore" | "gemv"
+  prefetch: bool = False  # gemv: load the next K trip's weights before this trip's math (see nvfp4_gemv)
 
   def __post_init__(self):
     if self.engine not in ENGINES:

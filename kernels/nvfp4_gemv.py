@@ -40,13 +40,15 @@ def gemv_x_layout(x_MxK: jax.Array) -> jax.Array:
 
 def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n: int, rows: int, block_n: int,
                       block_b: int, b_per_split: int, split: int, dequant: str = "jnp",
-                      epilogue: Epilogue = Epilogue()):
+                      epilogue: Epilogue = Epilogue(), prefetch: bool = False):
   """One block_n slice of y for every row, over one split of the K blocks.
 
   x_ref f32 [M, 2, K/16, 8]; layer_ref int32 [1]; packed_ref uint8 [L*N, K/16, 8]; scale_ref e4m3
   [L*N, K/16]; gs_ref f32 [L] (rows layer*N .. layer*N + N are this weight); rest: the epilogue's refs
   (``nvfp4_epilogue``), then o_ref [M, N] (x dtype) when split == 1, else float32 partials [split, M, N].
   dequant "asm" decodes with inline PTX (GPU only); any other value with the e4m3 conversion.
+  prefetch: each trip loads the next trip's weights before its own math (carried in the loop state), since
+  Triton does not software-pipeline this loop: the loads then overlap the math instead of stalling it.
   """
   *epi_refs, o_ref = rest
   layer = layer_ref[0]
@@ -56,12 +58,17 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
   col_mask = cols_N < n
   cols = pl.ds(pid_n * block_n, block_n)
   w_rows = pl.ds(layer * n + pid_n * block_n, block_n)
+  trips = b_per_split // block_b
 
-  def body(i, accs):
-    b0 = pl.multiple_of(pid_s * b_per_split + i * block_b, block_b)
-    blocks = pl.ds(b0, block_b)
-    p_NxBx8 = plgpu.load(packed_ref.at[w_rows, blocks, :], mask=col_mask[:, None, None], other=0)
-    s_NxB = plgpu.load(scale_ref.at[w_rows, blocks], mask=col_mask[:, None], other=0.0)
+  def blocks(i):
+    return pl.ds(pl.multiple_of(pid_s * b_per_split + i * block_b, block_b), block_b)
+
+  def load_weights(i):
+    p_NxBx8 = plgpu.load(packed_ref.at[w_rows, blocks(i), :], mask=col_mask[:, None, None], other=0)
+    s_NxB = plgpu.load(scale_ref.at[w_rows, blocks(i)], mask=col_mask[:, None], other=0.0)
+    return p_NxBx8, s_NxB
+
+  def trip(i, p_NxBx8, s_NxB, accs):
     if dequant in nvfp4_tile.PTX_DECODERS:  # E2M1 * scale, exact in bf16, from inline PTX
       lo, hi = (plane.astype(jnp.float32)
                 for plane in nvfp4_tile.dequant_halves_asm(p_NxBx8, s_NxB, jnp.bfloat16))
@@ -73,14 +80,22 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
     out = []
     for r in range(rows):
       row = jnp.int32(r)  # Pallas indexes refs with traced ints, not Python ones
-      xe_Bx8 = x_ref[row, 0, blocks, :]
-      xo_Bx8 = x_ref[row, 1, blocks, :]
+      xe_Bx8 = x_ref[row, 0, blocks(i), :]
+      xo_Bx8 = x_ref[row, 1, blocks(i), :]
       block_sums_NxB = jnp.sum(lo * xe_Bx8[None] + hi * xo_Bx8[None], axis=-1)
       out.append(accs[r] + (block_sums_NxB if dequant in nvfp4_tile.PTX_DECODERS else block_sums_NxB * s_NxB))
     return tuple(out)
 
   zeros = tuple(jnp.zeros((block_n, block_b), jnp.float32) for _ in range(rows))
-  accs = jax.lax.fori_loop(0, b_per_split // block_b, body, zeros)
+  if prefetch:
+    def body(i, carry):
+      accs, current = carry
+      upcoming = load_weights(jnp.minimum(i + 1, trips - 1))  # the last trip re-reads its own (cached) tile
+      return trip(i, *current, accs), upcoming
+
+    accs, _ = jax.lax.fori_loop(0, trips, body, (zeros, load_weights(0)))
+  else:
+    accs = jax.lax.fori_loop(0, trips, lambda i, accs: trip(i, *load_weights(i), accs), zeros)
   multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
   for r in range(rows):
     y_N = jnp.sum(accs[r], axis=-1) * multiplier
@@ -113,7 +128,8 @@ def nvfp4_gemv_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.
   kb = k // 16
   kernel = functools.partial(nvfp4_gemv_kernel, n=n, rows=m, block_n=cfg.block_n, block_b=cfg.block_k // 16,
                              b_per_split=kb // cfg.split, split=cfg.split,
-                             dequant=nvfp4_tile.decoder(cfg.dequant, interpret), epilogue=epi)
+                             dequant=nvfp4_tile.decoder(cfg.dequant, interpret), epilogue=epi,
+                             prefetch=cfg.prefetch)
   operands = [gemv_x_layout(x_MxK), layer_1, packed.reshape(packed.shape[0], kb, 8), scale, gs, *epi_ops]
   return nvfp4_tile.launch(kernel, operands, rows=m, cols=n, split=cfg.split, dtype=x_MxK.dtype,
                            grid=(pl.cdiv(n, cfg.block_n), cfg.split), num_warps=cfg.num_warps,

@@ -137,3 +137,28 @@ def test_profile_decode_runs_every_variant(tmp_path):
     ("bf16", "unrolled", False), ("bf16", "scan", False), ("nvfp4", "unrolled", False), ("nvfp4", "scan", False),
     ("nvfp4", "unrolled", True), ("nvfp4", "scan", True)])  # bf16 has no kernel epilogue to fuse into
   assert all(r["ms_per_step"] > 0 and r["commit"] == "test" for r in records)
+
+
+def test_kernel_sass_lowers_the_tuned_kernel_and_reads_its_loop():
+  # The GPU-free half of experiments/kernel_sass.py: jax's Triton IR for the kernel the H200 dispatch would
+  # launch, cleaned for Triton's parser; and the K-loop instruction mix read from SASS text.
+  from experiments import kernel_sass
+  from kernels import config as config_lib
+
+  cfg = config_lib.get_config("fwd", 8, 3584, 37888, "NVIDIA H200")
+  ir = kernel_sass.triton_ir("fwd", 8, 3584, 37888, cfg)
+  assert ir.startswith("module @nvfp4_matmul_fwd") and ir.rstrip().endswith("}")
+  assert "#loc" not in ir and "[unknown]" not in ir
+  assert ir.count("tt.dot ") == 2 and ir.count("tt.elementwise_inline_asm") == 2  # asm decoder, two planes
+  sass = """
+        /*0010*/                   MOV R1, c[0x0][0x28] ;
+        /*0020*/                   LDG.E.U8 R2, desc[UR4][R4.64] ;
+        /*0030*/                   LOP3.LUT R3, R2, 0x7, RZ, 0xc0, !PT ;
+        /*0040*/                   HGMMA.64x16x16.F32.BF16 R32, R24, gdesc[UR20], RZ, !UPT ;
+        /*0050*/               @P0 BRA 0x20 ;
+        /*0060*/                   EXIT ;
+        /*0070*/                   BRA 0x70;
+  """
+  opcodes, classes, length = kernel_sass.loop_mix(sass)
+  assert length == 4 and opcodes == {"LDG.E.U8": 1, "LOP3.LUT": 1, "HGMMA.64x16x16.F32.BF16": 1, "BRA": 1}
+  assert classes["global load (sync)"] == 1 and classes["tensor core"] == 1 and classes["integer"] == 1

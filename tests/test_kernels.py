@@ -331,10 +331,12 @@ def _dispatch_configs(kind):
     # "asm" (inline PTX on the GPU) runs its layout with the jnp decode in interpret mode: the plumbing.
     "asm": (Nvfp4MatmulConfig(**tile, dequant="asm"), Nvfp4MatmulConfig(**tile, dequant="asm")),
     "asm-gemv": (Nvfp4MatmulConfig(**gemv, dequant="asm"), None),
+    # The gemv loading each K trip's weights one trip ahead (block_k 32: K = 128 takes four trips).
+    "gemv-prefetch": (Nvfp4MatmulConfig(**gemv, prefetch=True), None),
   }[kind]
 
 
-@pytest.mark.parametrize("kind", ["halves", "gemv", "asm", "asm-gemv"])
+@pytest.mark.parametrize("kind", ["halves", "gemv", "asm", "asm-gemv", "gemv-prefetch"])
 def test_decoders_and_engines_through_dispatch_and_grad(request, kind):
   fwd_config, bwd_config = _dispatch_configs(kind)
   rng = _rng(request)
@@ -434,6 +436,8 @@ _LOWERING_CASES = {  # name -> (direction, config, with the epilogue)
                             True),
   "fwd-gemv-jnp-epilogue": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv"), True),
   "fwd-gemv-asm-epilogue": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv", dequant="asm"), True),
+  "fwd-gemv-asm-prefetch": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv", dequant="asm",
+                                                     prefetch=True), False),
   "bwd-jnp": ("bwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64), False),
   "bwd-asm": ("bwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64, split=2, dequant="asm"), False),
 }

@@ -1,0 +1,196 @@
+"""What an NVFP4 kernel compiles to, on a machine without a GPU: Pallas -> Triton IR -> SASS for sm_90.
+
+  pip install "triton==3.6.0"      # the `sass` extra; brings ptxas and cuobjdump for sm_90
+  python3 -m experiments.kernel_sass --shape qwen2.5-7b.gate_up --rows 8
+  python3 -m experiments.kernel_sass --shape qwen2.5-7b.down --rows 64 --direction bwd --dequant jnp
+
+It lowers the kernel the dispatch would launch for that shape and row count on an H200 (the tuned config;
+``--block`` and ``--dequant`` override it) to Triton IR the way jax does for a CUDA GPU, compiles that with
+the pip Triton for sm_90 and prints the instruction mix of the K loop, per thread and per weight: global
+loads (``LDG`` synchronous, ``LDGSTS`` async copies the software pipeline issues ahead), shared-memory
+traffic and barriers, tensor-core ops and the ALU work of the decode. XLA on the GPU builds its own Triton,
+so the SASS is close to, not identical with, what runs there; the IR is jax's own. Files (ttir, ttgir, ptx,
+sass, JSON summary) go to ``--out``.
+
+Found with it at 61ea4fd: the few-row tile kernel spent ~6.6 instructions per weight in its K loop, read its
+packed weights from shared memory two bytes at a time, and loaded block scales one byte at a time
+synchronously (fixed with an alignment hint at 0dcb044, which changed no timing); the gemv engine's loop has
+no async copies at all (Triton does not pipeline it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import functools
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from experiments.bench_kernels import MODELS
+from kernels import config as config_lib
+from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
+from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
+
+# SASS opcode (before the first '.') -> the class reported.
+_CLASSES = {
+  "LDG": "global load (sync)", "LDGSTS": "global->shared async copy", "LDS": "shared load", "STS": "shared store",
+  "STSM": "shared store", "LDSM": "shared load", "BAR": "barrier", "HGMMA": "tensor core", "HMMA": "tensor core",
+  "WARPGROUP": "tensor core sync", "DEPBAR": "async-copy wait", "LDGDEPBAR": "async-copy wait",
+  "PRMT": "byte permute", "LOP3": "integer", "SHF": "integer", "IMAD": "integer", "IADD3": "integer",
+  "LEA": "integer", "VIADD": "integer", "SEL": "integer", "ISETP": "integer",
+  "HMUL2": "16-bit float", "HFMA2": "16-bit float", "HADD2": "16-bit float",
+  "F2F": "conversion", "F2FP": "conversion", "I2F": "conversion", "F2I": "conversion",
+  "FFMA": "32-bit float", "FMUL": "32-bit float", "FADD": "32-bit float",
+}
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([.\w]*)")
+
+
+def triton_ir(direction: str, rows: int, k: int, n: int, cfg: config_lib.Nvfp4MatmulConfig) -> str:
+  """The kernel's Triton IR as text Triton's own parser reads (jax's debug print, locations stripped)."""
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+
+  packed = jax.ShapeDtypeStruct((n, k // 2), jnp.uint8)
+  scale = jax.ShapeDtypeStruct((n, k // 16), jnp.float8_e4m3fn)
+  gs = jax.ShapeDtypeStruct((), jnp.float32)
+  if direction == "fwd":
+    f = lambda a, p, s, g: nvfp4_matmul_fwd_pallas(a, p, s, g, config=cfg)
+    a = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
+  else:
+    f = lambda a, p, s, g: nvfp4_matmul_bwd_pallas(a, p, s, g, config=cfg)
+    a = jax.ShapeDtypeStruct((rows, n), jnp.bfloat16)
+  original, buf = pl.pallas_call, io.StringIO()
+  pl.pallas_call = functools.partial(original, debug=True)  # the kernels look pallas_call up at call time
+  try:
+    with contextlib.redirect_stdout(buf):
+      jax.jit(f).trace(a, packed, scale, gs).lower(lowering_platforms=("cuda",))
+  finally:
+    pl.pallas_call = original
+  return clean_ir(buf.getvalue())
+
+
+def clean_ir(debug_text: str) -> str:
+  """The module from pallas' debug print, without the location annotations jax's MLIR prints and Triton's
+  parser rejects: ' [unknown]', ' "name:"(#locN)', ' loc(#locN)', and the '#locN = ...' table."""
+  text = debug_text[debug_text.index("module @"):]
+  text = re.sub(r" \[unknown\]", "", text)
+  text = re.sub(r' "[^"\n]*":?\(#loc\d*\)', "", text)
+  text = re.sub(r" \(#loc\d*\)| loc\(#loc\d*\)", "", text)
+  lines = text.split("\n")
+  end = max(i for i, line in enumerate(lines) if line == "}")
+  return "\n".join(lines[:end + 1]) + "\n"
+
+
+def compile_sm90(ttir_path: str, num_warps: int, num_stages: int) -> dict[str, str]:
+  """Compiles a .ttir file with the pip Triton for sm_90; returns its ttgir, ptx and SASS texts."""
+  import triton  # pylint: disable=import-outside-toplevel
+  from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
+
+  kernel = triton.compile(ttir_path, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+  cubin = os.path.splitext(ttir_path)[0] + ".cubin"
+  with open(cubin, "wb") as f:
+    f.write(kernel.asm["cubin"])
+  cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+  sass = subprocess.run([cuobjdump, "-sass", cubin], check=True, capture_output=True, text=True).stdout
+  usage = subprocess.run([cuobjdump, "-res-usage", cubin], check=True, capture_output=True, text=True).stdout
+  return {"ttgir": kernel.asm["ttgir"], "ptx": kernel.asm["ptx"], "sass": sass,
+          "shared_bytes": kernel.metadata.shared, "registers": int(re.search(r"REG:(\d+)", usage).group(1))}
+
+
+def programs_per_sm(registers: int, shared_bytes: int, num_warps: int) -> dict[str, int]:
+  """How many programs (CTAs) of this kernel fit on one H100/H200 SM, and what limits it.
+
+  Limits: 64K registers (allocated per warp in units of 256, i.e. per thread rounded up to 8), 228 KB of
+  shared memory with 1 KB reserved per CTA, 64 warps, 32 CTAs.
+  """
+  per_warp_regs = -(-registers // 8) * 8 * 32
+  limits = {"registers": 65536 // (per_warp_regs * num_warps),
+            "shared memory": 233472 // (shared_bytes + 1024),
+            "warps": 64 // num_warps, "ctas": 32}
+  return dict(programs=min(limits.values()), limited_by=min(limits, key=limits.get),
+              warps=min(limits.values()) * num_warps)
+
+
+def loop_mix(sass: str) -> tuple[collections.Counter, collections.Counter, int]:
+  """Opcode and class counts inside the largest backward branch's body (the K loop); and its length."""
+  instrs = [(int(m.group(1), 16), m.group(3), m.group(3) + m.group(4)) for m in _INSTR.finditer(sass)]
+  loops = []
+  for addr, op, _ in instrs:
+    if op == "BRA":
+      target = re.search(rf"/\*{addr:04x}\*/[^\n]*BRA\s+(0x[0-9a-f]+)", sass)
+      if target and int(target.group(1), 16) < addr:
+        loops.append((int(target.group(1), 16), addr))
+  if not loops:
+    raise ValueError("no backward branch (loop) in this SASS")
+  start, end = max(loops, key=lambda se: se[1] - se[0])
+  body = [(op, full) for addr, op, full in instrs if start <= addr <= end]
+  opcodes = collections.Counter(full for _, full in body)
+  classes = collections.Counter(_CLASSES.get(op, "other") for op, _ in body)
+  return opcodes, classes, len(body)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--shape", default="qwen2.5-7b.gate_up", help="qwen2.5-<model>.<layer>, as in bench_kernels")
+  p.add_argument("--rows", type=int, default=8)
+  p.add_argument("--direction", default="fwd", choices=["fwd", "bwd"])
+  p.add_argument("--block", default="", help="block_m,block_n,block_k,num_warps,num_stages (default: tuned)")
+  p.add_argument("--dequant", default="", choices=["", *config_lib.DECODERS])
+  p.add_argument("--prefetch", action="store_true", help="gemv: load the next trip's weights first")
+  p.add_argument("--out", default="/tmp/kernel_sass")
+  args = p.parse_args(argv)
+
+  model, layer = args.shape.removeprefix("qwen2.5-").split(".")
+  k, n = MODELS[model][layer]
+  cfg = config_lib.get_config(args.direction, args.rows, k, n, "NVIDIA H200")
+  if args.block:
+    bm, bn, bk, warps, stages = map(int, args.block.split(","))
+    cfg = config_lib.fit(dataclasses.replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
+                                             num_stages=stages, split=1), args.direction, args.rows, k, n)
+  if args.dequant:
+    cfg = dataclasses.replace(cfg, dequant=args.dequant)
+  if args.prefetch:
+    cfg = dataclasses.replace(cfg, prefetch=True)
+  os.makedirs(args.out, exist_ok=True)
+  base = os.path.join(args.out, f"{args.shape}.{args.direction}.{args.rows}")
+  with open(base + ".ttir", "w") as f:
+    f.write(triton_ir(args.direction, args.rows, k, n, cfg))
+  out = compile_sm90(base + ".ttir", cfg.num_warps, cfg.num_stages)
+  for ext in ("ttgir", "ptx", "sass"):
+    with open(f"{base}.{ext}", "w") as f:
+      f.write(out[ext])
+  opcodes, classes, length = loop_mix(out["sass"])
+  occupancy = programs_per_sm(out["registers"], out["shared_bytes"], cfg.num_warps)
+  # Weights one K-loop trip decodes, per thread: a [block_n, block_k] tile (gemv: [block_n, block_k] too;
+  # backward: [block_n, block_k] per N step) over num_warps * 32 threads.
+  per_thread = cfg.block_n * cfg.block_k / (cfg.num_warps * 32)
+  summary = dict(shape=args.shape, direction=args.direction, rows=args.rows, config=dataclasses.asdict(cfg),
+                 loop_instructions=length, weights_per_thread_per_trip=per_thread,
+                 instructions_per_weight=round(length / per_thread, 2), shared_bytes=out["shared_bytes"],
+                 registers=out["registers"], occupancy=occupancy,
+                 classes=dict(classes.most_common()), opcodes=dict(opcodes.most_common()))
+  with open(base + ".json", "w") as f:
+    json.dump(summary, f, indent=1)
+  print(f"{args.shape} {args.direction} rows={args.rows} {cfg}")
+  print(f"K loop: {length} instructions per thread per trip, {per_thread:.0f} weights per thread -> "
+        f"{length / per_thread:.2f} per weight; shared memory {out['shared_bytes']} bytes, "
+        f"{out['registers']} registers per thread -> {occupancy['programs']} programs "
+        f"({occupancy['warps']} warps) per SM, limited by {occupancy['limited_by']}")
+  for name, count in classes.most_common():
+    print(f"  {count:5d}  {name}")
+  print("  top opcodes: " + ", ".join(f"{op} {c}" for op, c in opcodes.most_common(12)))
+  print(f"files: {base}.{{ttir,ttgir,ptx,sass,json}}")
+  return summary
+
+
+if __name__ == "__main__":
+  sys.exit(0 if main() else 1)
