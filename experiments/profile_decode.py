@@ -135,8 +135,9 @@ def run(args):
                    busy_us_by_thread=busy, device=jax.devices()[0].device_kind, commit=commit(),
                    jax=jax.__version__)
         records.append(rec)
-        print(f"\n{quant:6s} b{batch:<3d} attn={attention:6s} layers={layers:8s} lora={epilogue:5s} {ms_step:7.2f} ms/step wall, "
-              f"kernels {kernel_ms:6.2f} ms/step, span {rec['span_ms_per_step']:6.2f}", flush=True)
+        print(f"\n{quant:6s} b{batch:<3d} attn={attention:6s} layers={layers:8s} lora={epilogue:5s} "
+              f"{ms_step:7.2f} ms/step wall, kernels {kernel_ms:6.2f} ms/step, span {rec['span_ms_per_step']:6.2f}",
+              flush=True)
         for name, us in list(rec["kernels_us_per_step"].items())[:args.top]:
           print(f"   {us:9.1f} us  {100 * us / 1e3 / max(kernel_ms, 1e-9):5.1f}%  {name[:110]}", flush=True)
   return records

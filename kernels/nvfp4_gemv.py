@@ -69,7 +69,7 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
     return p_NxBx8, s_NxB
 
   def trip(i, p_NxBx8, s_NxB, accs):
-    if dequant in nvfp4_tile.PTX_DECODERS:  # E2M1 * scale, exact in bf16, from inline PTX
+    if dequant == "asm":  # E2M1 * scale, exact in bf16, from inline PTX (no per-weight conversion)
       lo, hi = (plane.astype(jnp.float32)
                 for plane in nvfp4_tile.dequant_halves_asm(p_NxBx8, s_NxB, jnp.bfloat16))
     else:  # E2M1 / 64 exactly (see nvfp4_tile): the hardware e4m3 conversion does the decode
@@ -83,7 +83,7 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
       xe_Bx8 = x_ref[row, 0, blocks(i), :]
       xo_Bx8 = x_ref[row, 1, blocks(i), :]
       block_sums_NxB = jnp.sum(lo * xe_Bx8[None] + hi * xo_Bx8[None], axis=-1)
-      out.append(accs[r] + (block_sums_NxB if dequant in nvfp4_tile.PTX_DECODERS else block_sums_NxB * s_NxB))
+      out.append(accs[r] + (block_sums_NxB if dequant == "asm" else block_sums_NxB * s_NxB))
     return tuple(out)
 
   zeros = tuple(jnp.zeros((block_n, block_b), jnp.float32) for _ in range(rows))

@@ -28,8 +28,8 @@ def nvfp4_matmul_bwd_kernel(dy_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_
 
   dy_ref [M, N]; layer_ref int32 [1]; packed_ref uint8 [L*N, K/2]; scale_ref e4m3 [L*N, K/16]; gs_ref f32
   [L] (rows layer*N .. layer*N + N are this weight);
-  o_ref [M, K] (dy dtype) when split == 1, else float32 partials [split, M, K]; with a halves-layout dequant
-  ("halves", "asm") each block_k run of dx's columns is written as its even columns, then its odd ones (``halves_order``).
+  o_ref [M, K] (dy dtype) when split == 1, else float32 partials [split, M, K]; with dequant "halves" or
+  "asm" each block_k run of dx's columns is written as its even columns, then its odd ones (``halves_order``).
   """
   m, n = dy_ref.shape
   k = 2 * packed_ref.shape[1]

@@ -68,14 +68,13 @@ def dequant_halves(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype) -> tupl
   return plane(lo), plane(hi)
 
 
-# Decoders that work in the "halves" layout (two nibble planes, no interleave), and those written in PTX.
+# Decoders that work in the "halves" layout (two nibble planes, no interleave).
 HALVES_DECODERS = config.HALVES_DECODERS
-PTX_DECODERS = ("asm",)
 
 
 def output_multiplier(global_scale: jax.Array, method: str = "jnp") -> jax.Array:
   """The float32 factor that turns an accumulator over decoded tiles into the true product."""
-  divisor = 1.0 if method in PTX_DECODERS else CODE_DIVISOR
+  divisor = 1.0 if method == "asm" else CODE_DIVISOR
   return jnp.float32(divisor) / global_scale.astype(jnp.float32)
 
 
@@ -136,7 +135,7 @@ def dequant_halves_asm(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype) -> 
 
 def decode_halves(dequant: str):
   """The halves-layout tile decoder for ``dequant`` ("halves" or "asm"): f(packed, scale, dtype)."""
-  return dequant_halves_asm if dequant in PTX_DECODERS else dequant_halves
+  return dequant_halves_asm if dequant == "asm" else dequant_halves
 
 
 def layer_operands(packed, scale, global_scale, layer) -> tuple[list, int]:
@@ -168,7 +167,7 @@ def drop_poison_ref(kernel, *refs):
 def decoder(dequant: str, interpret: bool) -> str:
   """The tile decoder a launch uses: inline PTX cannot run in interpret mode, which decodes the same
   "halves" layout with jnp."""
-  return "halves" if interpret and dequant in PTX_DECODERS else dequant
+  return "halves" if interpret and dequant == "asm" else dequant
 
 
 def launch(kernel, operands: list, *, rows: int, cols: int, split: int, dtype, grid: tuple[int, int],

@@ -130,7 +130,8 @@ def test_profile_decode_runs_every_variant(tmp_path):
   out = tmp_path / "profile.json"
   subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "profile_decode.py"), "--model", "smoke",
                   "--quants", "bf16", "nvfp4", "--batches", "2", "--decode-layers", "unrolled", "scan",
-                  "--lora-epilogue", "xla", "fused", "--cache-len", "48", "--start", "32", "--steps", "2", "--reps", "1", "--out", str(out)],
+                  "--lora-epilogue", "xla", "fused", "--cache-len", "48", "--start", "32", "--steps", "2", "--reps",
+                  "1", "--out", str(out)],
                  check=True, cwd=ROOT, env=dict(os.environ, QERL_COMMIT="test"), capture_output=True, text=True)
   records = json.loads(out.read_text())
   assert sorted((r["quant"], r["decode_layers"], r["fused_lora"]) for r in records) == sorted([
