@@ -200,34 +200,43 @@ def run_hf(args):
     num_key_value_heads=spec["num_kv_heads"], tie_word_embeddings=spec["tie_word_embeddings"],
     rope_theta=1e6, max_position_embeddings=32768, torch_dtype=torch.bfloat16)
   torch.manual_seed(0)
-  with torch.device("cuda"):
+  with torch.device(_torch_device()):
     model = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
   for batch in sorted(args.batches):
     yield _time_hf(args, model, spec, batch)
 
 
+def _torch_device() -> str:
+  import torch
+  return "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for the smoke test
+
+
 def _time_hf(args, model, spec, batch):
   import torch
   import transformers
-  prompt = torch.randint(0, spec["vocab_size"], (batch, args.prompt_len), device="cuda")
+  cuda = _torch_device() == "cuda"
+  sync = torch.cuda.synchronize if cuda else lambda: None
+  prompt = torch.randint(0, spec["vocab_size"], (batch, args.prompt_len), device=_torch_device())
   kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=True, temperature=1.0,
             top_k=0, top_p=1.0, pad_token_id=0)
   with torch.no_grad():
     model.generate(prompt, **dict(kw, max_new_tokens=8, min_new_tokens=8))
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync()
+    if cuda:
+      torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(max(1, args.reps - 1)):
       t0 = time.perf_counter()
       model.generate(prompt, **kw)
-      torch.cuda.synchronize()
+      sync()
       times.append(time.perf_counter() - t0)
   sec = statistics.median(times)
   return dict(model=args.model, quant="hf-bf16", batch=batch, prompt_len=args.prompt_len,
               new_tokens=args.new_tokens, tokens_per_s=batch * args.new_tokens / sec,
               ms_per_step=sec / args.new_tokens * 1e3, rollout_s=sec,
-              peak_gb=torch.cuda.max_memory_allocated() / 1e9, lora_rank=0, reps=len(times),
-              device=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__)
+              peak_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0, lora_rank=0, reps=len(times),
+              device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+              transformers=transformers.__version__)
 
 
 def main():
@@ -266,7 +275,6 @@ def main():
     args.out = os.path.join(ROOT, "experiments", "results", "rollout.jsonl")
   if args.smoke:
     args.models, args.batches, args.new_tokens, args.prompt_len, args.reps = ["smoke"], [2], 8, 16, 1
-    args.quants = [q for q in args.quants if q != "hf-bf16"]
   base_env = dict(os.environ,
                   XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"))
   rows = []

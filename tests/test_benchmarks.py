@@ -83,6 +83,17 @@ def test_bench_rollout_smoke_writes_one_line_per_quant(tmp_path):
     assert r["commit"] == "test" and r["tokens_per_s"] > 0 and r["batch"] == 2
 
 
+def test_bench_rollout_transformers_peer_runs(tmp_path):
+  # The hf-bf16 peer (transformers' generate on the same shape) on the CPU, so a GPU run does not find it broken.
+  out = tmp_path / "hf.jsonl"
+  subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "bench_rollout.py"), "--smoke", "--quants",
+                  "hf-bf16", "--out", str(out)],
+                 check=True, cwd=ROOT, env=dict(os.environ, QERL_COMMIT="test"), capture_output=True, text=True)
+  (r,) = _lines(out)
+  assert (r["quant"], r["batch"], r["new_tokens"], r["commit"], r["device"]) == ("hf-bf16", 2, 8, "test", "cpu")
+  assert r["tokens_per_s"] > 0 and r["transformers"]
+
+
 @pytest.mark.slow
 def test_bench_grpo_step_smoke_writes_the_phase_split(tmp_path):
   records = _run("bench_grpo_step.py", tmp_path, "grpo")
