@@ -124,20 +124,16 @@ def run_one(args):
   """
   import jax
   import jax.numpy as jnp
-  import numpy as np
   from flax import nnx
   from qerl_jax.model import Transformer
   from qerl_jax.model.linear import LoraConfig
   from qerl_jax.quant.types import nbytes
-  from qerl_jax.rollout.engine import rollout
-  from qerl_jax.rollout.sampling import SamplingParams
 
   config = model_config(args.model).replace(decode_attention=args.decode_attention, decode_layers=args.decode_layers,
                                             fused_lora=args.fused_lora)
   if args.variant == "unrolled":  # experiment: does the scan's per-layer dynamic slice cost a weight copy?
     # Replaces jax.lax.scan for this whole (single-run) subprocess; the only scan in a rollout is the model's
     # layer loop, so no other code is affected.
-    import jax
     jax.lax.scan = unrolled_scan
   base = synthetic_base(config, args.quant)
   lora = LoraConfig(rank=16, alpha=16, dtype=jnp.bfloat16)

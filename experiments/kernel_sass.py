@@ -170,8 +170,8 @@ def main(argv=None):
       f.write(out[ext])
   opcodes, classes, length = loop_mix(out["sass"])
   occupancy = programs_per_sm(out["registers"], out["shared_bytes"], cfg.num_warps)
-  # Weights one K-loop trip decodes, per thread: a [block_n, block_k] tile (gemv: [block_n, block_k] too;
-  # backward: [block_n, block_k] per N step) over num_warps * 32 threads.
+  # Each trip of the K loop decodes a [block_n, block_k] weight tile (forward, backward and gemv alike),
+  # spread over num_warps * 32 threads.
   per_thread = cfg.block_n * cfg.block_k / (cfg.num_warps * 32)
   summary = dict(shape=args.shape, direction=args.direction, rows=args.rows, config=dataclasses.asdict(cfg),
                  loop_instructions=length, weights_per_thread_per_trip=per_thread,
