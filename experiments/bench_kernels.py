@@ -51,6 +51,7 @@ MODELS = {
 }
 ROWS = (1, 8, 16, 64, 256, 2048, 8192)
 _L2_BYTES_x4 = 200 * 2**20  # rotate weight copies until this many bytes are in play (L2 is ~50-60 MB)
+_INTERPRET = False  # --interpret: Pallas interpret mode, a CPU smoke test (one weight copy, one timing rep)
 
 # Tile candidates per direction and row bucket, for --sweep.
 _C = Nvfp4MatmulConfig
@@ -91,6 +92,7 @@ GEMV_CANDIDATES = [_C(block_n=bn, block_k=bk, num_warps=w, num_stages=st, engine
 
 def _time_loop(op, x, ws, min_ms: float = 5.0, reps: int = 5) -> float:
   """Median microseconds of one op(x, w) call, timed inside a jitted loop over the weight copies ws."""
+  reps = 1 if _INTERPRET else reps  # interpret mode (a CPU smoke test) times nothing worth repeating
   zero = jnp.zeros((), jnp.float32)
 
   @jax.jit
@@ -141,9 +143,6 @@ def _weight_bytes(k, n):
   return n * k // 2 + n * k // 16 + 4
 
 
-_INTERPRET = False
-
-
 def _kernel_op(direction, cfg, poison=False):
   fn = nvfp4_matmul_fwd_pallas if direction == "fwd" else nvfp4_matmul_bwd_pallas
   return lambda a, w: fn(a, *w, config=cfg, poison=poison, interpret=_INTERPRET)
@@ -163,7 +162,7 @@ def check(direction, cfg, a, w) -> float:
 
 def _case(direction, k, n, rows, key, dtype):
   """Weight copies to rotate through (more bytes than L2 holds) and the activations of one case."""
-  copies = int(np.clip(math.ceil(_L2_BYTES_x4 / _weight_bytes(k, n)), 2, 16))
+  copies = 1 if _INTERPRET else int(np.clip(math.ceil(_L2_BYTES_x4 / _weight_bytes(k, n)), 2, 16))
   ws = _random_weights(key, k, n, copies)
   in_dim = k if direction == "fwd" else n
   a = jax.random.normal(jax.random.fold_in(key, 99), (rows, in_dim), jnp.float32).astype(dtype)
@@ -190,7 +189,7 @@ def bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw, dtype=jnp.bfloat1
   us = _time_loop(_kernel_op(direction, cfg), a, ws)
   bkey = (direction, k, n, rows)
   if bkey not in bf16_cache:
-    bcopies = int(np.clip(math.ceil(_L2_BYTES_x4 / (2 * k * n)), 2, 16))
+    bcopies = 1 if _INTERPRET else int(np.clip(math.ceil(_L2_BYTES_x4 / (2 * k * n)), 2, 16))
     wb = [jax.random.normal(jax.random.fold_in(key, 1000 + c), (k, n), jnp.float32).astype(dtype)
           for c in range(bcopies)]
     if direction == "fwd":
