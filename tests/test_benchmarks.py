@@ -20,6 +20,7 @@ def _lines(path):
     return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow  # ~24 s each: CI is near its 10-minute limit; run with `pytest -m slow`
 def test_bench_kernels_times_tile_gemv_and_xla_paths_after_checking_them(tmp_path, monkeypatch):
   from experiments import bench_kernels
   monkeypatch.setattr(bench_kernels, "GEMV_CANDIDATES", bench_kernels.GEMV_CANDIDATES[:1])  # interpret mode is slow
@@ -52,6 +53,7 @@ def test_tuning_entries_let_only_candidates_timed_on_every_shape_win():
   assert (entry["max_rows"], entry["config"]["block_n"], entry["score"]) == (64, 128, 2.333)
 
 
+@pytest.mark.slow  # ~24 s each: CI is near its 10-minute limit; run with `pytest -m slow`
 def test_bench_layer_slicing_counts_the_slices_of_each_form(tmp_path):
   from experiments import bench_layer_slicing
   out = tmp_path / "slicing.jsonl"
