@@ -3,7 +3,7 @@
     python experiments/bench_rollout.py --models qwen2.5-7b --batches 1 8 64       # on the GPU
     python experiments/bench_rollout.py --smoke                                    # tiny, any machine
     python experiments/bench_rollout.py --xla-flag-sets "|--xla_gpu_enable_command_buffer=..."   # A/B flags
-    python experiments/bench_rollout.py --decode-attention pallas   # attention kernel on the stacked cache
+    python experiments/bench_rollout.py --decode-attention xla      # XLA's one-token attention (A/B)
     python experiments/bench_rollout.py --decode-layers scan        # the stacked layer loop (A/B)
 
 Each (model, quant, batch) runs in its own subprocess so that peak device memory is that run's alone.
@@ -107,16 +107,6 @@ def copy_bandwidth(gib: float = 4.0) -> float:
   return 2 * x.nbytes / statistics.median(times)
 
 
-def unrolled_scan(f, init, xs, length=None, **unused):
-  """lax.scan as a Python loop: static per-layer slices instead of dynamic ones (the `unrolled` variant)."""
-  import jax
-  n = jax.tree.leaves(xs)[0].shape[0] if xs is not None else length
-  carry = init
-  for i in range(n):
-    carry, _ = f(carry, jax.tree.map(lambda a: a[i], xs))
-  return carry, None
-
-
 def run_one(args):
   """One (model, quant) in this process, batches in ascending order; yields a JSON record per batch.
 
@@ -131,10 +121,6 @@ def run_one(args):
 
   config = model_config(args.model).replace(decode_attention=args.decode_attention, decode_layers=args.decode_layers,
                                             fused_lora=args.fused_lora)
-  if args.variant == "unrolled":  # experiment: does the scan's per-layer dynamic slice cost a weight copy?
-    # Replaces jax.lax.scan for this whole (single-run) subprocess; the only scan in a rollout is the model's
-    # layer loop, so no other code is affected.
-    jax.lax.scan = unrolled_scan
   base = synthetic_base(config, args.quant)
   lora = LoraConfig(rank=16, alpha=16, dtype=jnp.bfloat16)
   model = Transformer(config, base, lora=lora, rngs=nnx.Rngs(0))
@@ -180,7 +166,7 @@ def _time_rollout(args, config, graphdef, state, weight_bytes, bw, batch):
               tokens_per_s=batch * new / sec, ms_per_step=sec / new * 1e3, rollout_s=sec, compile_s=compile_s,
               peak_gb=stats.get("peak_bytes_in_use", 0) / 1e9, weight_gb=weight_bytes / 1e9,
               floor_ms_per_step=floor_ms, copy_gbps=bw / 1e9, lora_rank=16, reps=args.reps,
-              device=jax.devices()[0].device_kind, jax=jax.__version__, variant=args.variant,
+              device=jax.devices()[0].device_kind, jax=jax.__version__,
               decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora,
               xla_flags=os.environ.get("XLA_FLAGS", ""))
 
@@ -245,11 +231,9 @@ def main():
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--out", default=None,
                  help="JSON lines file (default experiments/results/rollout.jsonl; with --smoke, none)")
-  p.add_argument("--variant", default="scan", choices=["scan", "unrolled"],
-                 help="layer loop: lax.scan over stacked layers (default) or unrolled (experiment)")
   p.add_argument("--decode-attention", default="auto", choices=["xla", "pallas", "auto"],
-                 help="one-token attention: XLA over the layer's cache slice, or the Pallas kernel that reads "
-                      "the stacked cache in place (kernels/decode_attention.py)")
+                 help="one-token attention: XLA's, the Pallas kernel that reads the layer's cache in place "
+                      "(kernels/decode_attention.py), or auto (the kernel on a GPU: ModelConfig's default)")
   p.add_argument("--decode-layers", default="unrolled", choices=["unrolled", "scan"],
                  help="the rollout's layer loop (ModelConfig.decode_layers): per-layer buffers or the stacked scan")
   p.add_argument("--fused-lora", action="store_true",
@@ -280,7 +264,7 @@ def main():
     env = dict(base_env, XLA_FLAGS=" ".join(f for f in (base_env.get("XLA_FLAGS", ""), flags) if f))
     cmd = [sys.executable, os.path.abspath(__file__), "--one", "--model", model, "--quant", quant,
            "--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len), "--new-tokens",
-           str(args.new_tokens), "--reps", str(args.reps), "--variant", args.variant,
+           str(args.new_tokens), "--reps", str(args.reps),
            "--decode-attention", args.decode_attention, "--decode-layers", args.decode_layers,
            *(["--fused-lora"] if args.fused_lora else [])]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -294,7 +278,7 @@ def main():
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "a") as f:
           f.write(json.dumps(record) + "\n")
-      print(f"{args.variant:8s} {model:12s} {quant:8s} b{record['batch']:<3d} {record['tokens_per_s']:9.1f} tok/s "
+      print(f"{args.decode_layers:8s} {model:12s} {quant:8s} b{record['batch']:<3d} {record['tokens_per_s']:9.1f} tok/s "
             f"{record['ms_per_step']:7.2f} ms/step peak {record['peak_gb']:6.1f} GB {flags}", flush=True)
     if proc.wait():
       print(f"FAILED {model} {quant} {flags}:\n{proc.stderr.read()[-3000:]}", flush=True)

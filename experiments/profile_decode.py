@@ -148,7 +148,7 @@ def main():
   p.add_argument("--model", default="qwen2.5-7b", choices=sorted(QWEN25))
   p.add_argument("--quants", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4"])
   p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
-  p.add_argument("--decode-attention", nargs="+", default=["xla"], choices=["xla", "pallas"])
+  p.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["xla", "pallas", "auto"])
   p.add_argument("--decode-layers", nargs="+", default=["unrolled"], choices=["unrolled", "scan"])
   p.add_argument("--lora-epilogue", nargs="+", choices=["xla", "fused"], default=["xla"],
                  help="NVFP4: bias and LoRA added by XLA after the matmul, or fused into the kernels' epilogue")
