@@ -17,6 +17,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -42,7 +43,7 @@ def kernel_totals(trace_dir: str) -> tuple[dict[str, float], dict[str, float], f
   procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
   threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
-  totals, busy = collections.Counter(), collections.Counter()
+  totals, busy, calls = collections.Counter(), collections.Counter(), collections.Counter()
   details, long_names = {}, {}
   lo, hi = float("inf"), 0.0
   for e in events:
@@ -52,6 +53,7 @@ def kernel_totals(trace_dir: str) -> tuple[dict[str, float], dict[str, float], f
     busy[thread] += e["dur"]
     if thread.startswith("Stream"):  # kernels and copies; "XLA Ops"/"XLA Modules" lines repeat them
       totals[e["name"]] += e["dur"]
+      calls[e["name"]] += 1
       details.setdefault(e["name"], {k: str(v)[:300] for k, v in e.get("args", {}).items()})
       lo, hi = min(lo, e["ts"]), max(hi, e["ts"] + e["dur"])
     elif thread == "XLA Ops" and "long_name" in e.get("args", {}):
@@ -59,7 +61,25 @@ def kernel_totals(trace_dir: str) -> tuple[dict[str, float], dict[str, float], f
   for info in details.values():
     if info.get("hlo_op") in long_names:
       info["long_name"] = long_names[info["hlo_op"]]
+  for name, info in details.items():
+    info["calls"] = calls[name]
   return dict(totals), dict(busy), (hi - lo if hi else 0.0), details
+
+
+def fused_computation(hlo_text: str, kernel: str, max_lines: int = 24) -> str:
+  """The HLO of the fusion a trace kernel ran ("input_reduce_fusion_113" is instruction
+  "input_reduce_fusion.113"): its instruction line, then the body of the computation it calls."""
+  name = re.sub(r"_(\d+)$", r".\1", kernel)
+  line = re.search(rf"^\s*%?{re.escape(name)} = ([^\n]*)", hlo_text, re.M)
+  if line is None:
+    return f"{kernel}: not in the compiled HLO"
+  out = [f"{name} = {line.group(1)[:400]}"]
+  called = re.search(r"calls=%?([\w.\-]+)", line.group(1))
+  if called:
+    body = re.search(rf"^%?{re.escape(called.group(1))} [^\n]*\{{\n(.*?)\n\}}", hlo_text, re.M | re.S)
+    if body:
+      out += ["    " + l.strip()[:200] for l in body.group(1).splitlines()[:max_lines]]
+  return "\n".join(out)
 
 
 def decode_program(sampling):
@@ -134,12 +154,19 @@ def run(args):
                    kernel_details={k: details[k] for k in sorted(totals, key=totals.get, reverse=True)[:60]},
                    busy_us_by_thread=busy, device=jax.devices()[0].device_kind, commit=commit(),
                    jax=jax.__version__)
+        rec["calls_per_step"] = {k: details[k]["calls"] / args.steps for k in rec["kernel_details"]}
         records.append(rec)
         print(f"\n{quant:6s} b{batch:<3d} attn={attention:6s} layers={layers:8s} lora={epilogue:5s} "
               f"{ms_step:7.2f} ms/step wall, kernels {kernel_ms:6.2f} ms/step, span {rec['span_ms_per_step']:6.2f}",
               flush=True)
         for name, us in list(rec["kernels_us_per_step"].items())[:args.top]:
-          print(f"   {us:9.1f} us  {100 * us / 1e3 / max(kernel_ms, 1e-9):5.1f}%  {name[:110]}", flush=True)
+          print(f"   {us:9.1f} us  {100 * us / 1e3 / max(kernel_ms, 1e-9):5.1f}%  "
+                f"{details[name]['calls'] / args.steps:5.1f} calls  {name[:100]}", flush=True)
+        if args.show_hlo:  # what each top XLA fusion computes, to trace it to the model code
+          hlo = decode.lower(gs, token, cache, jnp.int32(args.start), valid, jax.random.key(0),
+                             steps_arr).compile().as_text()
+          xla_kernels = [k for k in rec["kernels_us_per_step"] if "fusion" in k][:args.show_hlo]
+          print("\n\n".join(fused_computation(hlo, k) for k in xla_kernels), flush=True)
   return records
 
 
@@ -157,6 +184,8 @@ def main():
   p.add_argument("--steps", type=int, default=16)
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--top", type=int, default=15)
+  p.add_argument("--show-hlo", type=int, default=0, metavar="N",
+                 help="print the HLO of the N most expensive XLA fusions (their names in the trace)")
   p.add_argument("--out", required=True, help="JSON file for the records")
   args = p.parse_args()
   records = run(args)
