@@ -188,6 +188,30 @@ def test_base_matmul_equals_dot_with_the_dequantized_weight(scheme):
   assert np.abs(w_hat - np.asarray(w, np.float64)).max() > 0  # it really is quantized
 
 
+def test_linears_share_one_x_at_a_matmul_and_give_each_projections_numpy_output():
+  from qerl_jax.model.linear import linears
+  seed = fresh_seed()
+  ks = jax.random.split(jax.random.key(seed), 8)
+  x = jax.random.normal(ks[0], (2, 3, 32), jnp.float32)
+  ps = []
+  for i, (n, rank) in enumerate([(24, 4), (8, 4), (8, 2)]):  # q/k/v-like widths; ranks need not match
+    p = {"w": jax.random.normal(ks[1 + i], (32, n)) * 0.1,
+         "lora_a": jax.random.normal(ks[4 + i], (32, rank)), "lora_b": jax.random.normal(ks[7], (rank, n))[:rank]}
+    if i == 0:
+      p["b"] = jnp.arange(n, dtype=jnp.float32)
+    ps.append(p)
+  ys = linears(x, ps, 0.5)
+  x64 = np.asarray(x, np.float64)
+  for p, y in zip(ps, ys):
+    f = lambda k: np.asarray(p[k], np.float64)
+    ref = x64 @ f("w") + (f("b") if "b" in p else 0) + 0.5 * (x64 @ f("lora_a")) @ f("lora_b")
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-4, err_msg=f"{seed=}")
+  # One x @ A for the three adapters ([.., 32] x [32, 10]), then one x @ W and one xa @ B per projection.
+  dots = [e for e in jax.make_jaxpr(lambda x: linears(x, ps, 0.5))(x).eqns if e.primitive.name == "dot_general"]
+  shapes = sorted(tuple(e.invars[1].aval.shape) for e in dots)
+  assert shapes == sorted([(32, 10), (32, 24), (32, 8), (32, 8), (4, 24), (4, 8), (2, 8)]), shapes
+
+
 def test_query_blocks_change_neither_logits_nor_gradients():
   # 11 positions in blocks of at most 4 (near-equal: 4, 4, 3 plus one padded query row), left-padded rows.
   seed = fresh_seed()

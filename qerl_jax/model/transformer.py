@@ -34,7 +34,7 @@ from flax import nnx
 
 from qerl_jax.model import attention as attn
 from qerl_jax.model.config import ModelConfig
-from qerl_jax.model.linear import (PROJ_NAMES, Frozen, LayerOf, LoraConfig, Projection, init_loras, linear,
+from qerl_jax.model.linear import (PROJ_NAMES, Frozen, LayerOf, LoraConfig, Projection, init_loras, linear, linears,
                                    logical_shape)
 from qerl_jax.quant.types import NVFP4Tensor
 
@@ -69,9 +69,9 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
   eps = config.rms_norm_eps
   fused = config.fused_lora
   h = attn.rms_norm(x_BxTxD, p["input_layernorm"], eps, noise.get("input_layernorm"))
-  q = linear(h, p["q_proj"], lora_scale, fused).reshape(b, t, config.num_heads, config.head_dim)
-  k = linear(h, p["k_proj"], lora_scale, fused).reshape(b, t, config.num_kv_heads, config.head_dim)
-  v = linear(h, p["v_proj"], lora_scale, fused).reshape(b, t, config.num_kv_heads, config.head_dim)
+  q, k, v = linears(h, [p["q_proj"], p["k_proj"], p["v_proj"]], lora_scale, fused)
+  q = q.reshape(b, t, config.num_heads, config.head_dim)
+  k, v = (y.reshape(b, t, config.num_kv_heads, config.head_dim) for y in (k, v))
   if config.qk_norm:
     q = attn.rms_norm(q, p["q_norm"], eps, noise.get("q_norm"))
     k = attn.rms_norm(k, p["k_norm"], eps, noise.get("k_norm"))
@@ -103,8 +103,7 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
       o = attn.attend(q, k_all, v_all, mask_BxTxS, config.attn_query_chunk)
   x_BxTxD = x_BxTxD + linear(o, p["o_proj"], lora_scale, fused)
   h = attn.rms_norm(x_BxTxD, p["post_attention_layernorm"], eps, noise.get("post_attention_layernorm"))
-  g = linear(h, p["gate_proj"], lora_scale, fused).astype(jnp.float32)
-  u = linear(h, p["up_proj"], lora_scale, fused).astype(jnp.float32)
+  g, u = (y.astype(jnp.float32) for y in linears(h, [p["gate_proj"], p["up_proj"]], lora_scale, fused))
   m = (jax.nn.silu(g) * u).astype(x_BxTxD.dtype)
   x_BxTxD = x_BxTxD + linear(m, p["down_proj"], lora_scale, fused)
   return x_BxTxD, kv
