@@ -165,29 +165,18 @@ def linear(x_BxTxK: jax.Array, p: dict[str, Any], lora_scale: float, fused: bool
   return y
 
 
-def shared_lora_a(ps: Sequence[dict[str, Any]]) -> jax.Array | None:
-  """The A's of the adapted projections among ``ps`` side by side, [..., K, sum of ranks], when there are at
-  least two of one dtype (what `linears` multiplies x by once), else None."""
-  with_lora = [p for p in ps if p.get("lora_a") is not None]
-  if len(with_lora) < 2 or len({(p["lora_a"].dtype, p["lora_b"].dtype) for p in with_lora}) > 1:
-    return None
-  return jnp.concatenate([p["lora_a"] for p in with_lora], axis=-1)
-
-
-def linears(x_BxTxK: jax.Array, ps: Sequence[dict[str, Any]], lora_scale: float, fused: bool = False,
-            a_KxRs: jax.Array | None = None) -> list:
+def linears(x_BxTxK: jax.Array, ps: Sequence[dict[str, Any]], lora_scale: float, fused: bool = False) -> list:
   """`linear` for several projections of the same input (q/k/v, gate/up), their adapters' x @ A as one matmul.
 
   At one decode row each x @ A is a latency-bound kernel of a few microseconds (7B, batch 1, 3c549d8: 196
   of them per token, ~0.8 ms of a 5.4 ms step), so concatenating the A's that share an input saves the
   launches as well as re-reading x. Each column of x @ [A1 | A2 | ...] is the same dot as in x @ Ai.
-  a_KxRs: `shared_lora_a(ps)` computed once ahead (a decode loop would otherwise concatenate every step).
   """
-  if a_KxRs is None:
-    a_KxRs = shared_lora_a(ps)
-  if a_KxRs is None:
-    return [linear(x_BxTxK, p, lora_scale, fused) for p in ps]
   with_lora = [p for p in ps if p.get("lora_a") is not None]
+  dtypes = {(p["lora_a"].dtype, p["lora_b"].dtype) for p in with_lora}
+  if len(with_lora) < 2 or len(dtypes) > 1:
+    return [linear(x_BxTxK, p, lora_scale, fused) for p in ps]
+  a_KxRs = jnp.concatenate([p["lora_a"] for p in with_lora], axis=-1)
   xa_BxTxRs = lora_xa(x_BxTxK, a_KxRs, with_lora[0]["lora_b"])
   starts = [0]
   for p in with_lora:

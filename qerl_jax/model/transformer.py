@@ -35,7 +35,7 @@ from flax import nnx
 from qerl_jax.model import attention as attn
 from qerl_jax.model.config import ModelConfig
 from qerl_jax.model.linear import (PROJ_NAMES, Frozen, LayerOf, LoraConfig, Projection, init_loras, linear, linears,
-                                   logical_shape, shared_lora_a)
+                                   logical_shape)
 from qerl_jax.quant.types import NVFP4Tensor
 
 NOISE_KEYS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
@@ -61,10 +61,6 @@ def lm_head_logits(h_xD: jax.Array, w_VxD: jax.Array) -> jax.Array:
   return jnp.einsum("...d,vd->...v", h_xD, w_VxD.astype(h_xD.dtype), preferred_element_type=jnp.float32)
 
 
-# Projections that read the same input: their adapters' x @ A is one matmul (`linears`).
-SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
 def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, mask_BxTxS, kv, layer,
            cache_index):
   """One decoder block. kv: None (no cache), the stacked (k, v) caches [L, B, S, Hkv, Dh] to update at
@@ -73,9 +69,7 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
   eps = config.rms_norm_eps
   fused = config.fused_lora
   h = attn.rms_norm(x_BxTxD, p["input_layernorm"], eps, noise.get("input_layernorm"))
-  shared_a = p.get("shared_lora_a", {})  # (`unstack_layers`)
-  qkv, gate_up = SHARED_INPUT
-  q, k, v = linears(h, [p[name] for name in qkv], lora_scale, fused, shared_a.get(qkv[0]))
+  q, k, v = linears(h, [p["q_proj"], p["k_proj"], p["v_proj"]], lora_scale, fused)
   q = q.reshape(b, t, config.num_heads, config.head_dim)
   k, v = (y.reshape(b, t, config.num_kv_heads, config.head_dim) for y in (k, v))
   if config.qk_norm:
@@ -109,8 +103,7 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
       o = attn.attend(q, k_all, v_all, mask_BxTxS, config.attn_query_chunk)
   x_BxTxD = x_BxTxD + linear(o, p["o_proj"], lora_scale, fused)
   h = attn.rms_norm(x_BxTxD, p["post_attention_layernorm"], eps, noise.get("post_attention_layernorm"))
-  g, u = (y.astype(jnp.float32)
-          for y in linears(h, [p[name] for name in gate_up], lora_scale, fused, shared_a.get(gate_up[0])))
+  g, u = (y.astype(jnp.float32) for y in linears(h, [p["gate_proj"], p["up_proj"]], lora_scale, fused))
   m = (jax.nn.silu(g) * u).astype(x_BxTxD.dtype)
   x_BxTxD = x_BxTxD + linear(m, p["down_proj"], lora_scale, fused)
   return x_BxTxD, kv
@@ -236,9 +229,6 @@ def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
   num_layers = _num_layers(sliced if jax.tree.leaves(sliced) else whole)
   per_layer = [_with_whole(jax.tree.map(lambda a, layer=layer: a[layer], sliced), whole, layer)
                for layer in range(num_layers)]
-  for p in per_layer:  # concatenated once here, not in every decode step (see `linears`)
-    shared = {names[0]: shared_lora_a([p[name] for name in names]) for names in SHARED_INPUT}
-    p["shared_lora_a"] = {name: a for name, a in shared.items() if a is not None}
   return {**params, "layers": per_layer}
 
 
