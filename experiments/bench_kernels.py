@@ -91,7 +91,11 @@ GEMV_CANDIDATES = [_C(block_n=bn, block_k=bk, num_warps=w, num_stages=st, engine
                        (128, 128, 8, 2, False, "jnp"), (16, 512, 4, 3, True, "jnp"), (32, 256, 4, 3, True, "jnp"),
                        # prefetch took 15-25% off the e4m3 decoder at 1-2 rows (f391df6); with the PTX decoder:
                        (16, 512, 4, 3, True, "asm"), (32, 256, 4, 3, True, "asm"), (16, 256, 4, 3, True, "asm"),
-                       (64, 128, 4, 3, True, "asm"), (32, 512, 8, 3, True, "asm")]]
+                       (64, 128, 4, 3, True, "asm"), (32, 512, 8, 3, True, "asm"),
+                       # 32-bit words in one register layout (nvfp4_gemv_words; kernel_sass at 1 row: 6.2-7.1
+                       # instructions per weight against 9.5 for the tuned asm gemv, 2 barriers per trip against 6)
+                       (16, 256, 4, 3, False, "words"), (16, 256, 4, 3, True, "words"), (32, 256, 4, 3, False, "words"),
+                       (16, 512, 4, 3, False, "words"), (64, 128, 4, 3, True, "words")]]
 
 
 def _time_loop(op, x, ws, min_ms: float = 5.0, reps: int = 5) -> float:

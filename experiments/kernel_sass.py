@@ -145,7 +145,8 @@ def main(argv=None):
   p.add_argument("--direction", default="fwd", choices=["fwd", "bwd"])
   p.add_argument("--block", default="", help="block_m,block_n,block_k,num_warps,num_stages (default: tuned)")
   p.add_argument("--dequant", default="", choices=["", *config_lib.DECODERS])
-  p.add_argument("--prefetch", action="store_true", help="gemv: load the next trip's weights first")
+  p.add_argument("--prefetch", choices=["tuned", "on", "off"], default="tuned",
+                 help="gemv: load the next trip's weights first (default: as the tuned config does)")
   p.add_argument("--out", default="/tmp/kernel_sass")
   args = p.parse_args(argv)
 
@@ -158,8 +159,8 @@ def main(argv=None):
                                              num_stages=stages, split=1), args.direction, args.rows, k, n)
   if args.dequant:
     cfg = dataclasses.replace(cfg, dequant=args.dequant)
-  if args.prefetch:
-    cfg = dataclasses.replace(cfg, prefetch=True)
+  if args.prefetch != "tuned":
+    cfg = dataclasses.replace(cfg, prefetch=args.prefetch == "on")
   os.makedirs(args.out, exist_ok=True)
   base = os.path.join(args.out, f"{args.shape}.{args.direction}.{args.rows}")
   with open(base + ".ttir", "w") as f:

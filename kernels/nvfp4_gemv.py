@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels import nvfp4_epilogue, nvfp4_tile
+from kernels import nvfp4_epilogue, nvfp4_gemv_words, nvfp4_tile
 from kernels.config import GEMV_MAX_ROWS, Nvfp4MatmulConfig
 from kernels.nvfp4_epilogue import Epilogue
 
@@ -117,6 +117,10 @@ def nvfp4_gemv_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.
   The weight is one [N, K/2] tensor, or stacked [L, N, K/2] with ``layer`` picking one (read in place).
   epilogue: (operands, Epilogue) from ``nvfp4_epilogue.operands``.
   """
+  if config.dequant == "words":
+    return nvfp4_gemv_words.nvfp4_gemv_words_pallas(x_MxK, packed_NxKh, scale_NxKb, global_scale, config=config,
+                                                  interpret=interpret, poison=poison, layer=layer,
+                                                  epilogue=epilogue)
   epi_ops, epi = epilogue
   m, k = x_MxK.shape
   (layer_1, packed, scale, gs), n = nvfp4_tile.layer_operands(packed_NxKh, scale_NxKb, global_scale, layer)

@@ -5,6 +5,9 @@ random global scale; the seed comes from the test name. Interpret mode starts ev
 ``poison`` path aliases a NaN-filled buffer in, so a tile the kernel does not write fails the comparison.
 """
 
+import contextlib
+import functools
+import io
 import zlib
 
 import jax
@@ -71,6 +74,10 @@ FWD_CASES = [
   (1, 16, 16, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=16, engine="gemv")),
   (5, 192, 56, jnp.float16, Nvfp4MatmulConfig(block_n=32, block_k=64, split=3, engine="gemv")),
   (16, 256, 40, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=2, engine="gemv")),
+  # The gemv over 32-bit words of packed weights ("words"): the same three shapes.
+  (1, 16, 16, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=16, engine="gemv", dequant="words")),
+  (5, 192, 56, jnp.float16, Nvfp4MatmulConfig(block_n=32, block_k=64, split=3, engine="gemv", dequant="words")),
+  (16, 256, 40, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=2, engine="gemv", dequant="words")),
 ]
 
 
@@ -245,11 +252,12 @@ def test_few_row_forwards_shorten_k_steps_when_they_admit_no_split():
   # gemv halves block_k to 256 for a split of 2 (448 programs); at 16 rows the tile kernel's 56 column blocks
   # get block_k 128 and a split of 4 instead of 256 and 2. A shape whose split is already full, or that
   # shorter steps would not help, keeps block_k.
-  down = config_lib.get_config("fwd", 1, 18944, 3584, "NVIDIA H200")
+  gemv = Nvfp4MatmulConfig(block_n=16, block_k=512, engine="gemv")  # (the H200 tuning has block_k 256 now)
+  down = config_lib.fit(gemv, "fwd", 1, 18944, 3584, auto_split=True)
   assert (down.engine, down.block_k, down.split) == ("gemv", 256, 2)
   down16 = config_lib.get_config("fwd", 16, 18944, 3584, "NVIDIA H200")
   assert (down16.engine, down16.block_k, down16.split) == ("tensorcore", 128, 4)
-  gate = config_lib.get_config("fwd", 1, 3584, 18944, "NVIDIA H200")
+  gate = config_lib.fit(gemv, "fwd", 1, 3584, 18944, auto_split=True)
   assert (gate.block_k, gate.split) == (512, 1)  # 1184 column blocks: enough programs unsplit
   k_proj = config_lib.get_config("fwd", 1, 3584, 512, "NVIDIA H200")
   assert k_proj.split * (512 // k_proj.block_n) >= 2 * 132 and 3584 % (k_proj.block_k * k_proj.split) == 0
@@ -287,6 +295,64 @@ def test_asm_decoder_bit_logic_in_numpy(dtype):
       np.testing.assert_array_equal(got_CxS * divisor, want_CxS)
 
 
+def _run_pair_ptx(asm: str, word: np.ndarray) -> np.ndarray:
+  """Interprets the PTX subset ``pair_ptx`` uses (mov/shl/shr/and/or on .b32, fma.rn.bf16x2) in NumPy."""
+  import re
+
+  regs = {"$1": word.astype(np.uint64)}
+  value = lambda tok: regs[tok] if tok in regs else np.uint64(int(tok, 0))
+  for op, args in re.findall(r"(\w+\.[\w.]+)\s+([^;]+);", asm):
+    dst, *src = [a.strip() for a in args.split(",")]
+    if op == ".reg.b32" or op.startswith(".reg"):
+      continue
+    a = [value(t) for t in src]
+    if op == "mov.b32":
+      out = a[0]
+    elif op == "shl.b32":
+      out = (a[0] << a[1]) & 0xFFFFFFFF
+    elif op == "shr.b32":
+      out = a[0] >> a[1]
+    elif op == "and.b32":
+      out = a[0] & a[1]
+    elif op == "or.b32":
+      out = a[0] | a[1]
+    elif op == "fma.rn.bf16x2":  # per 16-bit half: a * b + c, rounded to bf16 (asserted exact below)
+      halves = []
+      for shift in (0, 16):
+        f = [((np.broadcast_to(v, word.shape) >> shift) & 0xFFFF).astype(np.uint16).view(ml_dtypes.bfloat16)
+             .astype(np.float64) for v in a]
+        exact = f[0] * f[1] + f[2]
+        rounded = exact.astype(ml_dtypes.bfloat16)
+        np.testing.assert_array_equal(rounded.astype(np.float64), exact)  # no lost bits, no overflow
+        halves.append(rounded.view(np.uint16).astype(np.uint64) << shift)
+      out = halves[0] | halves[1]
+    else:
+      raise AssertionError(f"unexpected PTX op {op}")
+    regs[dst] = np.broadcast_to(out, word.shape).astype(np.uint64)
+  return regs["$0"]
+
+
+def test_words_decoder_ptx_in_numpy(request):
+  """Runs each nibble pair's PTX (read back from ``pair_ptx``) on words holding every pair of nibbles at
+  positions (i, i + 4) plus random ones, widens each half to float32 as the kernel does, and compares with
+  the E2M1 value of that nibble: a wrong shift, mask or constant fails here though CI cannot run PTX."""
+  from kernels import nvfp4_gemv_words
+
+  rng = _rng(request)
+  lo, hi = np.meshgrid(np.arange(16, dtype=np.uint64), np.arange(16, dtype=np.uint64))
+  background = rng.integers(0, 2**32, lo.size, dtype=np.uint64)
+  for i in range(4):
+    clear = ~np.uint64((0xF << 4 * i) | (0xF << 4 * (i + 4))) & np.uint64(0xFFFFFFFF)
+    words = (background & clear) | (lo.ravel() << np.uint64(4 * i)) | (hi.ravel() << np.uint64(4 * (i + 4)))
+    words = np.concatenate([words, rng.integers(0, 2**32, 4096, dtype=np.uint64)])
+    pair = _run_pair_ptx(nvfp4_gemv_words.pair_ptx(i), words)
+    for plane, bits in ((i, (pair << 16) & 0xFFFFFFFF), (i + 4, pair & 0xFFFF0000)):
+      got = bits.astype(np.uint32).view(np.float32)
+      nib = (words >> np.uint64(4 * plane)) & 0xF
+      np.testing.assert_array_equal(got, E2M1[nib.astype(np.int64)].astype(np.float32), err_msg=f"plane {plane}")
+      assert np.array_equal(np.signbit(got), nib >= 8)  # -0.0 keeps its sign
+
+
 def test_quantized_bf16_weight_fwd_and_grad_match_reference(request):
   """End to end on a real quantization (qerl_jax.quant.quantize) of a random bf16 weight."""
   from qerl_jax import quant
@@ -319,6 +385,8 @@ def test_halves_decoder_falls_back_where_a_half_tile_would_be_under_16_columns()
   assert config_lib.fit(Nvfp4MatmulConfig(block_k=64, dequant="halves"), "bwd", 4, 96, 32).dequant == "halves"
   with pytest.raises(ValueError, match="dequant='nibbles' must be one of"):
     Nvfp4MatmulConfig(dequant="nibbles")
+  with pytest.raises(ValueError, match="'words' is a gemv decoder"):
+    Nvfp4MatmulConfig(dequant="words")
 
 
 def _dispatch_configs(kind):
@@ -333,10 +401,11 @@ def _dispatch_configs(kind):
     "asm-gemv": (Nvfp4MatmulConfig(**gemv, dequant="asm"), None),
     # The gemv loading each K trip's weights one trip ahead (block_k 32: K = 128 takes four trips).
     "gemv-prefetch": (Nvfp4MatmulConfig(**gemv, prefetch=True), None),
+    "words-gemv": (Nvfp4MatmulConfig(**gemv, dequant="words"), None),
   }[kind]
 
 
-@pytest.mark.parametrize("kind", ["halves", "gemv", "asm", "asm-gemv", "gemv-prefetch"])
+@pytest.mark.parametrize("kind", ["halves", "gemv", "asm", "asm-gemv", "gemv-prefetch", "words-gemv"])
 def test_decoders_and_engines_through_dispatch_and_grad(request, kind):
   fwd_config, bwd_config = _dispatch_configs(kind)
   rng = _rng(request)
@@ -438,6 +507,7 @@ _LOWERING_CASES = {  # name -> (direction, config, with the epilogue)
   "fwd-gemv-asm-epilogue": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv", dequant="asm"), True),
   "fwd-gemv-asm-prefetch": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv", dequant="asm",
                                                      prefetch=True), False),
+  "fwd-gemv-words-epilogue": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv", dequant="words"), True),
   "bwd-jnp": ("bwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64), False),
   "bwd-asm": ("bwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64, split=2, dequant="asm"), False),
 }
@@ -465,5 +535,17 @@ def test_kernels_lower_to_triton_for_cuda(case):
   else:
     f = lambda x, *w: nvfp4_matmul_fwd_pallas(x, *w, config=cfg)
     args = (jnp.ones((m, k), jnp.bfloat16), *weights)
-  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  from jax.experimental import pallas as pl
+  original, printed = pl.pallas_call, io.StringIO()
+  pl.pallas_call = functools.partial(original, debug=True)  # the kernels look pallas_call up at call time
+  try:
+    with contextlib.redirect_stdout(printed):
+      text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  finally:
+    pl.pallas_call = original
   assert text.count("__gpu$xla.gpu.triton") == 1, text[:2000]
+  # The Triton module must verify: MLIR prints one that does not in its generic form ("builtin.module"(...)),
+  # which is how an inline-asm result typed ui32 (Triton's integers are signless) showed up; lowering alone
+  # passes it on, and only the GPU compile would reject it.
+  module = printed.getvalue()
+  assert "module @" in module and '"builtin.module"' not in module, module[-3000:]
