@@ -70,7 +70,7 @@ def fused_computation(hlo_text: str, kernel: str, max_lines: int = 24) -> str:
   """The HLO of the fusion a trace kernel ran ("input_reduce_fusion_113" is instruction
   "input_reduce_fusion.113"): its instruction line, then the body of the computation it calls."""
   name = re.sub(r"_(\d+)$", r".\1", kernel)
-  line = re.search(rf"^\s*%?{re.escape(name)} = ([^\n]*)", hlo_text, re.M)
+  line = re.search(rf"^\s*(?:ROOT )?%?{re.escape(name)} = ([^\n]*)", hlo_text, re.M)
   if line is None:
     return f"{kernel}: not in the compiled HLO"
   out = [f"{name} = {line.group(1)[:400]}"]

@@ -134,8 +134,23 @@ def test_profile_decode_sums_stream_kernels_only(tmp_path):
   assert busy == {"Stream #13(Compute)": 10.0, "XLA Ops": 5.0} and span == 22.0
   # Each kernel's first event says which HLO op it ran; the op's HLO text comes from the "XLA Ops" line.
   gemv = details["nvfp4_gemv"]
-  assert gemv["hlo_op"] == "custom-call.3" and "gpu.triton" in gemv["long_name"]
-  assert details["loop_add_fusion"] == {"hlo_op": "add.1"}
+  assert gemv["hlo_op"] == "custom-call.3" and "gpu.triton" in gemv["long_name"] and gemv["calls"] == 2
+  assert details["loop_add_fusion"] == {"hlo_op": "add.1", "calls": 1}
+
+
+def test_profile_decode_finds_a_kernels_fused_computation():
+  # A trace names a kernel "input_reduce_fusion_113" where the HLO says "input_reduce_fusion.113".
+  import re
+  import jax
+  import jax.numpy as jnp
+  from experiments import profile_decode
+  hlo = jax.jit(lambda x: jnp.exp(x * 3.0) + 1.0).lower(jnp.ones((8, 128))).compile().as_text()
+  name = re.search(r"%([\w.]+) = \S+ fusion\(", hlo).group(1)  # e.g. "add_exponential_fusion" on the CPU
+  numbered = hlo.replace(f"%{name} =", f"%{name}.113 =")
+  shown = profile_decode.fused_computation(numbered, f"{name}_113")
+  assert shown.startswith(f"{name}.113 = ") and "calls=" in shown.splitlines()[0]
+  assert "exponential(" in shown and "ROOT" in shown  # the called computation's body
+  assert profile_decode.fused_computation(hlo, "no_such_fusion_9") == "no_such_fusion_9: not in the compiled HLO"
 
 
 @pytest.mark.slow
