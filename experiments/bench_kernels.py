@@ -34,12 +34,17 @@ from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
 
 
 def _qwen_shapes(hidden, inter, heads, kv_heads, head_dim=128):
-  """(K, N) of each decoder linear, y = x @ W[K, N], with q|k|v and gate|up fused as vLLM runs them."""
+  """(K, N) of each decoder linear, y = x @ W[K, N]: q|k|v and gate|up fused as vLLM runs them (the default
+  layers), and the calls this project's model makes, one per projection ("q", "kv" for k and v, "gate" for
+  gate and up; profile_decode at 3c549d8 shows seven kernels per layer)."""
   return {
     "qkv": (hidden, (heads + 2 * kv_heads) * head_dim),
     "o": (heads * head_dim, hidden),
     "gate_up": (hidden, 2 * inter),
     "down": (inter, hidden),
+    "q": (hidden, heads * head_dim),
+    "kv": (hidden, kv_heads * head_dim),
+    "gate": (hidden, inter),
   }
 
 
