@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels import nvfp4_epilogue, nvfp4_gemv_words, nvfp4_tile
+from kernels import nvfp4_epilogue, nvfp4_tile
 from kernels.config import GEMV_MAX_ROWS, Nvfp4MatmulConfig
 from kernels.nvfp4_epilogue import Epilogue
 
@@ -47,16 +47,11 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
   [L*N, K/16]; gs_ref f32 [L] (rows layer*N .. layer*N + N are this weight); rest: the epilogue's refs
   (``nvfp4_epilogue``), then o_ref [M, N] (x dtype) when split == 1, else float32 partials [split, M, N].
   dequant "asm" decodes with inline PTX (GPU only); any other value with the e4m3 conversion.
-  prefetch: each trip loads the next trip's weights before its own math (carried in the loop state), since
-  Triton does not software-pipeline this loop: the loads then overlap the math instead of stalling it.
+  prefetch: load each next trip's weights first (``k_loop``).
   """
   *epi_refs, o_ref = rest
   layer = layer_ref[0]
-  pid_n = pl.program_id(0)
-  pid_s = pl.program_id(1)
-  cols_N = pid_n * block_n + jnp.arange(block_n)
-  col_mask = cols_N < n
-  cols = pl.ds(pid_n * block_n, block_n)
+  pid_n, pid_s, cols_N, col_mask, cols = program_columns(n, block_n)
   w_rows = pl.ds(layer * n + pid_n * block_n, block_n)
   trips = b_per_split // block_b
 
@@ -87,26 +82,57 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
     return tuple(out)
 
   zeros = tuple(jnp.zeros((block_n, block_b), jnp.float32) for _ in range(rows))
-  if prefetch:
-    def body(i, carry):
-      accs, current = carry
-      upcoming = load_weights(jnp.minimum(i + 1, trips - 1))  # the last trip re-reads its own (cached) tile
-      return trip(i, *current, accs), upcoming
-
-    accs, _ = jax.lax.fori_loop(0, trips, body, (zeros, load_weights(0)))
-  else:
-    accs = jax.lax.fori_loop(0, trips, lambda i, accs: trip(i, *load_weights(i), accs), zeros)
+  accs = k_loop(trips, load_weights, trip, zeros, prefetch)
   multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
-  for r in range(rows):
-    y_N = jnp.sum(accs[r], axis=-1) * multiplier
-    row = jnp.int32(r)
+  store_rows(accs, multiplier, o_ref, epi_refs, epilogue, split=split, pid_s=pid_s, cols=cols, col_mask=col_mask)
+
+
+def program_columns(n: int, block_n: int):
+  """This program's (column block, K split, its columns [block_n], their mask (< n), their slice)."""
+  pid_n, pid_s = pl.program_id(0), pl.program_id(1)
+  cols_N = pid_n * block_n + jnp.arange(block_n)
+  return pid_n, pid_s, cols_N, cols_N < n, pl.ds(pid_n * block_n, block_n)
+
+
+def k_loop(trips: int, load_weights, trip, zeros: tuple, prefetch: bool) -> tuple:
+  """The gemv's K loop: accs = trip(i, *load_weights(i), accs) for i < trips, from ``zeros``.
+
+  prefetch: each trip loads the next trip's weights before its own math (carried in the loop state), since
+  Triton does not software-pipeline this loop: the loads then overlap the math instead of stalling it.
+  """
+  if not prefetch:
+    return jax.lax.fori_loop(0, trips, lambda i, accs: trip(i, *load_weights(i), accs), zeros)
+
+  def body(i, carry):
+    accs, current = carry
+    upcoming = load_weights(jnp.minimum(i + 1, trips - 1))  # the last trip re-reads its own (cached) tile
+    return trip(i, *current, accs), upcoming
+
+  accs, _ = jax.lax.fori_loop(0, trips, body, (zeros, load_weights(0)))
+  return accs
+
+
+def store_rows(accs: tuple, multiplier, o_ref, epi_refs, epilogue: Epilogue, *, split: int, pid_s, cols,
+               col_mask) -> None:
+  """Each row's accumulator [block_n, ...] summed over its last axis, times ``multiplier``, plus the epilogue
+  (once, by the first split), stored to o_ref [M, N] (split == 1) or the float32 partials [split, M, N]."""
+  for r, acc in enumerate(accs):
+    y_N = jnp.sum(acc, axis=-1) * multiplier
+    row = jnp.int32(r)  # Pallas indexes refs with traced ints, not Python ones
     if epilogue.num_refs:
-      extra = nvfp4_epilogue.term(epi_refs, epilogue, pl.ds(row, 1), None, cols, col_mask).reshape(block_n)
+      extra = nvfp4_epilogue.term(epi_refs, epilogue, pl.ds(row, 1), None, cols, col_mask).reshape(y_N.shape)
       y_N = y_N + (extra if split == 1 else jnp.where(pid_s == 0, extra, 0.0))
     if split == 1:
       plgpu.store(o_ref.at[row, cols], y_N.astype(o_ref.dtype), mask=col_mask)
     else:
       plgpu.store(o_ref.at[pid_s, row, cols], y_N, mask=col_mask)
+
+
+def check_launch(m: int, k: int, cfg: Nvfp4MatmulConfig) -> None:
+  if m > GEMV_MAX_ROWS:
+    raise ValueError(f"the gemv kernel takes at most {GEMV_MAX_ROWS} rows, got {m}")
+  if k % cfg.block_k or (k // cfg.block_k) % cfg.split:
+    raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
 
 
 def nvfp4_gemv_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array, global_scale: jax.Array,
@@ -117,18 +143,11 @@ def nvfp4_gemv_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.
   The weight is one [N, K/2] tensor, or stacked [L, N, K/2] with ``layer`` picking one (read in place).
   epilogue: (operands, Epilogue) from ``nvfp4_epilogue.operands``.
   """
-  if config.dequant == "words":
-    return nvfp4_gemv_words.nvfp4_gemv_words_pallas(x_MxK, packed_NxKh, scale_NxKb, global_scale, config=config,
-                                                  interpret=interpret, poison=poison, layer=layer,
-                                                  epilogue=epilogue)
   epi_ops, epi = epilogue
   m, k = x_MxK.shape
   (layer_1, packed, scale, gs), n = nvfp4_tile.layer_operands(packed_NxKh, scale_NxKb, global_scale, layer)
   cfg = config
-  if m > GEMV_MAX_ROWS:
-    raise ValueError(f"the gemv kernel takes at most {GEMV_MAX_ROWS} rows, got {m}")
-  if k % cfg.block_k or (k // cfg.block_k) % cfg.split:
-    raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
+  check_launch(m, k, cfg)
   kb = k // 16
   kernel = functools.partial(nvfp4_gemv_kernel, n=n, rows=m, block_n=cfg.block_n, block_b=cfg.block_k // 16,
                              b_per_split=kb // cfg.split, split=cfg.split,

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels import nvfp4_epilogue, nvfp4_tile
-from kernels.config import GEMV_MAX_ROWS, Nvfp4MatmulConfig
+from kernels import nvfp4_gemv, nvfp4_tile
+from kernels.config import Nvfp4MatmulConfig
 from kernels.nvfp4_epilogue import Epilogue
 
 
@@ -96,11 +96,7 @@ def nvfp4_gemv_words_kernel(x_ref, layer_ref, words_ref, scale_ref, gs_ref, *res
   """
   *epi_refs, o_ref = rest
   layer = layer_ref[0]
-  pid_n = pl.program_id(0)
-  pid_s = pl.program_id(1)
-  cols_N = pid_n * block_n + jnp.arange(block_n)
-  col_mask = cols_N < n
-  cols = pl.ds(pid_n * block_n, block_n)
+  pid_n, pid_s, cols_N, col_mask, cols = nvfp4_gemv.program_columns(n, block_n)
   shape = (block_n, block_w)
   w_rows_NxW = jnp.broadcast_to((layer * n + cols_N)[:, None], shape)
   mask_NxW = jnp.broadcast_to(col_mask[:, None], shape)
@@ -129,27 +125,9 @@ def nvfp4_gemv_words_kernel(x_ref, layer_ref, words_ref, scale_ref, gs_ref, *res
     return tuple(out)
 
   zeros = tuple(jnp.zeros(shape, jnp.float32) for _ in range(rows))
-  trips = w_per_split // block_w
-  if prefetch:  # as in nvfp4_gemv: the next trip's loads go out before this trip's math
-    def body(i, carry):
-      accs, current = carry
-      upcoming = load_weights(jnp.minimum(i + 1, trips - 1))
-      return trip(i, *current, accs), upcoming
-
-    accs, _ = jax.lax.fori_loop(0, trips, body, (zeros, load_weights(0)))
-  else:
-    accs = jax.lax.fori_loop(0, trips, lambda i, accs: trip(i, *load_weights(i), accs), zeros)
-  inv_gs = 1.0 / gs_ref[layer]
-  for r in range(rows):
-    y_N = jnp.sum(accs[r], axis=-1) * inv_gs
-    row = jnp.int32(r)
-    if epilogue.num_refs:
-      extra = nvfp4_epilogue.term(epi_refs, epilogue, pl.ds(row, 1), None, cols, col_mask).reshape(block_n)
-      y_N = y_N + (extra if split == 1 else jnp.where(pid_s == 0, extra, 0.0))
-    if split == 1:
-      plgpu.store(o_ref.at[row, cols], y_N.astype(o_ref.dtype), mask=col_mask)
-    else:
-      plgpu.store(o_ref.at[pid_s, row, cols], y_N, mask=col_mask)
+  accs = nvfp4_gemv.k_loop(w_per_split // block_w, load_weights, trip, zeros, prefetch)
+  nvfp4_gemv.store_rows(accs, 1.0 / gs_ref[layer], o_ref, epi_refs, epilogue, split=split, pid_s=pid_s, cols=cols,
+                        col_mask=col_mask)
 
 
 def nvfp4_gemv_words_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array,
@@ -160,10 +138,7 @@ def nvfp4_gemv_words_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb
   m, k = x_MxK.shape
   (layer_1, packed, scale, gs), n = nvfp4_tile.layer_operands(packed_NxKh, scale_NxKb, global_scale, layer)
   cfg = config
-  if m > GEMV_MAX_ROWS:
-    raise ValueError(f"the gemv kernel takes at most {GEMV_MAX_ROWS} rows, got {m}")
-  if k % cfg.block_k or (k // cfg.block_k) % cfg.split:
-    raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
+  nvfp4_gemv.check_launch(m, k, cfg)
   # The packed rows as little-endian 32-bit words (a bitcast, no copy).
   words = jax.lax.bitcast_convert_type(packed.reshape(packed.shape[0], k // 8, 4), jnp.int32)
   kernel = functools.partial(nvfp4_gemv_words_kernel, n=n, rows=m, block_n=cfg.block_n, block_w=cfg.block_k // 8,
