@@ -1,11 +1,11 @@
 """experiments/: the ablation registry and its smoke runs, the entropy-per-format script, the plot script
 and the walkthrough notebook (executed in smoke mode).
 
-Budget: < 100 s on 2 CPU cores (measured ~60 s). Smoke runs share compiled programs (the CPU configs keep a
-dequantized base, so every format has the same shapes): formats, aqn_schedules and learning_rate (one
-recompile of the update for the new lr schedule) run end to end here; lora_rank recompiles every program
-for each adapter shape (~16 s), so its end-to-end smoke run is marked slow; every variant's config of every
-study is built and validated here.
+Budget: < 100 s on 2 CPU cores. Smoke runs share compiled programs (the CPU configs keep a dequantized base,
+so every format has the same shapes): formats, aqn_schedules and learning_rate (one recompile of the update
+for the new lr schedule) run end to end here, in this process; lora_rank recompiles every program for each
+adapter shape (~23 s) and `--jobs` starts worker processes that compile from scratch (~35 s), so those two
+smoke runs are marked slow; every variant's config of every study is built and validated here.
 """
 
 import json
@@ -42,10 +42,8 @@ def smoke_ablations(tmp_path_factory):
   out = {}
   for study in ("formats", "aqn_schedules"):
     path = str(root / f"{study}.jsonl")
-    # formats trains its two runs at once in worker processes (--jobs 2), aqn_schedules in this process.
-    jobs = ["--jobs", "2"] if study == "formats" else []
-    ablations.main(["--study", study, "--smoke", "--out", path, "--workdir_root", str(root / f"{study}_runs")]
-                   + jobs)
+    # Both in this process, sharing compiled programs; --jobs (worker processes) is the slow test below.
+    ablations.main(["--study", study, "--smoke", "--out", path, "--workdir_root", str(root / f"{study}_runs")])
     out[study] = (path, _read(path))
   return out
 
@@ -170,7 +168,9 @@ def test_shared_run_is_written_to_every_study_and_skipped_when_done(tmp_path):
   assert trained == [] and not os.path.exists(tmp_path / "runs")
 
 
-@pytest.mark.parametrize("study", ["learning_rate", "lora_rank"])  # CI runs every study in smoke mode
+# lora_rank recompiles every program per adapter shape (~23 s): slow-marked to keep CI under its 10 minutes
+# (every variant's config is still built and validated below).
+@pytest.mark.parametrize("study", ["learning_rate", pytest.param("lora_rank", marks=pytest.mark.slow)])
 def test_smoke_study_recompiling_variants(tmp_path, study):
   path = str(tmp_path / f"{study}.jsonl")
   ablations.main(["--study", study, "--smoke", "--out", path, "--workdir_root", str(tmp_path / "runs")])
@@ -179,6 +179,16 @@ def test_smoke_study_recompiling_variants(tmp_path, study):
   if study == "learning_rate":  # warmup: lr rises linearly to the peak, then decays
     peak = 3.0 * smollm2_135m.get_config().train.learning_rate
     assert all(0 < r["lr"] <= peak * (1 + 1e-6) for r in rows)
+
+
+@pytest.mark.slow  # two worker processes, each importing jax and compiling from scratch (~35 s on 2 cores)
+def test_formats_study_trains_in_worker_processes(tmp_path):
+  path = str(tmp_path / "formats.jsonl")
+  ablations.main(["--study", "formats", "--smoke", "--out", path, "--workdir_root", str(tmp_path / "runs"),
+                  "--jobs", "2"])
+  rows = _read(path)
+  assert [(r["variant"], r["step"]) for r in rows] == [(v, s) for v in ablations.STUDIES["formats"].smoke
+                                                       for s in (1, 2)]
 
 
 def test_entropy_smoke_writes_one_line_per_format(tmp_path):
