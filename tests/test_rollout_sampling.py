@@ -90,21 +90,3 @@ def test_same_key_same_tokens_different_key_different_tokens():
 def test_bad_sampling_params(kwargs, match):
   with pytest.raises(ValueError, match=match):
     SamplingParams(**kwargs)
-
-
-@pytest.mark.parametrize("vocab", [7, 64, 1000, 49152 + 3])  # fewer than, a multiple of and not one of 64 chunks
-def test_two_stage_vocab_reductions_match_one_stage(vocab):
-  from qerl_jax.rollout import sampling
-
-  rng = np.random.default_rng(_seed() + vocab)
-  logits_BxV = rng.normal(size=(5, vocab)).astype(np.float32) * 4
-  logits_BxV[1] = np.round(logits_BxV[1])  # many ties: the first maximum must win, as in np.argmax
-  logits_BxV[2, vocab // 2:] = np.finfo(np.float32).min  # excluded tokens (top-k / top-p) next to the padding
-  x = jnp.asarray(logits_BxV)
-  np.testing.assert_array_equal(sampling.argmax_rows(x), logits_BxV.argmax(-1))
-  np.testing.assert_allclose(sampling.logsumexp_rows(x), jax.scipy.special.logsumexp(x, axis=-1), rtol=1e-6)
-  key = jax.random.key(vocab)
-  tokens_B, logp_B = sample(x, key, SamplingParams(temperature=1.0))
-  np.testing.assert_array_equal(tokens_B, jax.random.categorical(key, x, axis=-1))  # same draw as jax's
-  np.testing.assert_allclose(logp_B, jnp.take_along_axis(jax.nn.log_softmax(x), tokens_B[:, None], 1)[:, 0],
-                             rtol=1e-5, atol=1e-6)
