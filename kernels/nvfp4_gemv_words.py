@@ -104,15 +104,17 @@ def nvfp4_gemv_words_kernel(x_ref, layer_ref, words_ref, scale_ref, gs_ref, *res
   def first_word(i):
     return pl.multiple_of(pid_s * w_per_split + i * block_w, block_w)
 
+  def word_idx(i):  # trip i's word indices in the tile's shape (gathers with them share its layout)
+    return jnp.broadcast_to((first_word(i) + jnp.arange(block_w))[None, :], shape)
+
   def load_weights(i):
-    w_idx_NxW = jnp.broadcast_to((first_word(i) + jnp.arange(block_w))[None, :], shape)
     words_NxW = plgpu.load(words_ref.at[pl.ds(layer * n + pid_n * block_n, block_n), pl.ds(first_word(i), block_w)],
                            mask=col_mask[:, None], other=0)
-    s_NxW = plgpu.load(scale_ref.at[w_rows_NxW, w_idx_NxW // 2], mask=mask_NxW, other=0.0)
+    s_NxW = plgpu.load(scale_ref.at[w_rows_NxW, word_idx(i) // 2], mask=mask_NxW, other=0.0)
     return words_NxW, s_NxW
 
   def trip(i, words_NxW, s_NxW, accs):
-    w_idx_NxW = jnp.broadcast_to((first_word(i) + jnp.arange(block_w))[None, :], shape)
+    w_idx_NxW = word_idx(i)
     s_NxW = s_NxW.astype(jnp.float32)
     planes = decode_words(words_NxW, use_asm)
     out = []

@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels import nvfp4_tile
-from kernels.config import Nvfp4MatmulConfig
+from kernels.config import HALVES_DECODERS, Nvfp4MatmulConfig
 from kernels.nvfp4_matmul_fwd import _tile_ids, logical_order
 
 
@@ -58,7 +58,7 @@ def nvfp4_matmul_bwd_kernel(dy_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_
   contract = (((0,), (1,)), ((), ()))
   multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
   mask = row_mask[:, None]
-  if dequant in nvfp4_tile.HALVES_DECODERS:  # two accumulators, dx's even and odd columns: no interleave
+  if dequant in HALVES_DECODERS:  # two accumulators, dx's even and odd columns: no interleave
     decode = nvfp4_tile.decode_halves(dequant)
 
     def body_halves(i, accs):
@@ -118,6 +118,6 @@ def nvfp4_matmul_bwd_pallas(dy_MxN: jax.Array, packed_NxKh: jax.Array, scale_NxK
   out = nvfp4_tile.launch(kernel, [dy_MxN, *weight_operands], rows=m, cols=k, split=split, dtype=dy_MxN.dtype,
                           grid=(num_m * (k // cfg.block_k), split), num_warps=cfg.num_warps,
                           num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_matmul_bwd")
-  if cfg.dequant in nvfp4_tile.HALVES_DECODERS:
+  if cfg.dequant in HALVES_DECODERS:
     out = logical_order(out, cfg.block_k)
   return out

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels import nvfp4_epilogue, nvfp4_tile
-from kernels.config import Nvfp4MatmulConfig
+from kernels.config import HALVES_DECODERS, Nvfp4MatmulConfig
 from kernels.nvfp4_epilogue import Epilogue
 from kernels.nvfp4_gemv import nvfp4_gemv_pallas
 from kernels.nvfp4_gemv_words import nvfp4_gemv_words_pallas
@@ -83,7 +83,7 @@ def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *re
     s_NxKb = plgpu.load(scale_ref.at[w_rows, pl.ds(pl.multiple_of(k0 // 16, block_k // 16), block_k // 16)],
                         mask=col_mask[:, None], other=0.0)
     contract = (((1,), (1,)), ((), ()))
-    if dequant in nvfp4_tile.HALVES_DECODERS:  # the low nibbles meet x's even columns, the high ones its odd
+    if dequant in HALVES_DECODERS:  # the low nibbles meet x's even columns, the high ones its odd
       rows = pl.ds(pid_m * block_m, block_m)
       xe_MxKh, xo_MxKh = (plgpu.load(x_ref.at[rows, pl.ds(k0 + half * (block_k // 2), block_k // 2)],
                                      mask=row_mask[:, None], other=0.0) for half in (0, 1))
@@ -139,7 +139,7 @@ def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb
       k_per_split=k // cfg.split, group_m=cfg.group_m, split=cfg.split,
       dequant=nvfp4_tile.decoder(cfg.dequant, interpret), epilogue=epi)
   # "halves": a reordered copy of x (small next to the weight it multiplies).
-  x_in = halves_order(x_MxK, cfg.block_k) if cfg.dequant in nvfp4_tile.HALVES_DECODERS else x_MxK
+  x_in = halves_order(x_MxK, cfg.block_k) if cfg.dequant in HALVES_DECODERS else x_MxK
   return nvfp4_tile.launch(kernel, [x_in, *weight_operands, *epi_ops], rows=m, cols=n, split=cfg.split,
                            dtype=x_MxK.dtype, grid=(num_m * num_n, cfg.split), num_warps=cfg.num_warps,
                            num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_matmul_fwd")

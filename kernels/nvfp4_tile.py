@@ -18,8 +18,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels import config
-
 # The decoded e4m3 value is E2M1 / CODE_DIVISOR.
 CODE_DIVISOR = 64.0
 
@@ -66,10 +64,6 @@ def dequant_halves(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype) -> tupl
     return (codes.reshape(r, kh // 8, 8) * scale[:, :, None]).reshape(r, kh)
 
   return plane(lo), plane(hi)
-
-
-# Decoders that work in the "halves" layout (two nibble planes, no interleave).
-HALVES_DECODERS = config.HALVES_DECODERS
 
 
 def output_multiplier(global_scale: jax.Array, method: str = "jnp") -> jax.Array:

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from qerl_jax.quant import types as qtypes
@@ -179,11 +180,9 @@ def linears(x_BxTxK: jax.Array, ps: Sequence[dict[str, Any]], lora_scale: float,
     return [linear(x_BxTxK, p, lora_scale, fused) for p in ps]
   a_KxRs = jnp.concatenate([p["lora_a"] for p in with_lora], axis=-1)
   xa_BxTxRs = lora_xa(x_BxTxK, a_KxRs, with_lora[0]["lora_b"])
-  starts = [0]
-  for p in with_lora:
-    starts.append(starts[-1] + p["lora_a"].shape[-1])
-  xas = {id(p): xa_BxTxRs[..., lo:hi] for p, lo, hi in zip(with_lora, starts, starts[1:])}
-  return [linear(x_BxTxK, p, lora_scale, fused, xas.get(id(p))) for p in ps]
+  ends = np.cumsum([p["lora_a"].shape[-1] for p in with_lora])[:-1]
+  xas = iter(jnp.split(xa_BxTxRs, ends, axis=-1))  # in the order of with_lora, i.e. of ps
+  return [linear(x_BxTxK, p, lora_scale, fused, next(xas) if p.get("lora_a") is not None else None) for p in ps]
 
 
 def init_lora(key: jax.Array, num_layers: int, k: int, n: int, cfg: LoraConfig) -> tuple[jax.Array, jax.Array]:
