@@ -17,8 +17,12 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # One persistent compilation cache for the whole run, shared with the subprocesses tests start (the CLI,
 # ablation workers, the notebook): many tests compile a program another test or process compiled already
 # (tests/test_experiments.py: 117 -> 102 s on the 2-core machine).
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
-_CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="qerl-jax-cache-"))
-jax.config.update("jax_compilation_cache_dir", _CACHE)
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # ours: removed when the run ends
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="qerl-jax-cache-")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
