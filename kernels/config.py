@@ -39,6 +39,9 @@ class Nvfp4MatmulConfig:
   a few bit operations and paired multiply-adds per packed word; GPU only, interpret mode runs "halves"), or,
   gemv engine only, "words" (the packed weights read as 32-bit words, decoded by PTX in one register layout;
   ``nvfp4_gemv_words``).
+  programs_per_sm: with an automatic split, how many programs per SM to aim for. The tile kernels aim for 2;
+  a gemv program is small (4 warps, ~56 registers: 9 fit on an H200 SM), so it may aim for a full wave. The
+  gemv's split may be ragged (its last K range shorter); the tile kernels' split divides the K steps.
   engine: "tensorcore" (the tile kernels above) or "gemv" (forward only, at most GEMV_MAX_ROWS rows: each
   decoded weight meets its x element in a float32 multiply-add on the CUDA cores; block_m is unused there
   and dequant is "asm" or the e4m3 route). ``fit`` turns a gemv config into a tensor-core one where gemv
@@ -55,6 +58,7 @@ class Nvfp4MatmulConfig:
   dequant: str = "jnp"  # "jnp" | "halves" (portable) | "asm" (inline PTX, GPU only) | "words" (gemv only)
   engine: str = "tensorcore"  # "tensorcore" | "gemv"
   prefetch: bool = False  # gemv: load the next K trip's weights before this trip's math (see nvfp4_gemv)
+  programs_per_sm: int = 2  # the automatic split's goal: this many programs per SM (``fit``)
 
   def __post_init__(self):
     if self.engine not in ENGINES:
@@ -67,7 +71,7 @@ class Nvfp4MatmulConfig:
       v = getattr(self, name)
       if v < 16 or v & (v - 1):
         raise ValueError(f"{name}={v} must be a power of two >= 16 (Triton dot tiles)")
-    if self.split < 1 or self.group_m < 1 or self.num_warps < 1 or self.num_stages < 1:
+    if min(self.split, self.group_m, self.num_warps, self.num_stages, self.programs_per_sm) < 1:
       raise ValueError(f"bad config {self}")
 
 
@@ -117,9 +121,10 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
   """Shrinks tiles to the problem and makes the split valid.
 
   block_k always divides K (the packed and scale tiles then never straddle the end of a row); rows and N
-  columns beyond the array are masked in the kernels. With auto_split, the split grows (powers of two) until
-  about two programs run per SM; a forward whose K steps admit no such split (e.g. 7B down_proj: 18944 / 512
-  = 37 steps) halves block_k, down to 128, while that allows a larger split.
+  columns beyond the array are masked in the kernels. With auto_split, the split grows until about
+  ``programs_per_sm`` programs run per SM (tile kernels: powers of two that divide the K steps; a tile forward
+  whose K steps admit no such split, e.g. 7B down_proj at 16 rows, halves block_k, down to 128, while that
+  allows a larger split). The gemv's split is any count with no empty K range (``gemv_split_trips``).
   """
   if k % 16:
     raise ValueError(f"{k=} must be a multiple of 16 (the NVFP4 block)")
@@ -131,12 +136,14 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
   block_n = max(16, min(cfg.block_n, _pow2_at_most(2 * n - 1) if n > 1 else 16))
   num_m = 1 if engine == "gemv" else -(-m // block_m)  # gemv: every row in each program
   tiles = num_m * (-(-n // block_n) if direction == "fwd" else k // block_k)
-  split = _split(cfg.split, tiles, k, n, block_n, block_k, direction, num_sms, auto_split)
+  target = cfg.programs_per_sm * num_sms
+  ragged = engine == "gemv"
+  split = _split(cfg.split, tiles, k, n, block_n, block_k, direction, target, auto_split, ragged)
   # With few rows a forward is latency-bound when too few programs stream the weight. On an H200 the 7B
   # down_proj ran, at 1 row (gemv, 4aae426), 83 us unsplit (224 programs) and 64-69 us split 2-4 with shorter
   # K steps; at 16 rows (tile kernel, 5c4c18a), 218 us with 56 programs and 109 us with 112.
-  while direction == "fwd" and auto_split and tiles * split < 2 * num_sms and block_k > 128:
-    finer = _split(cfg.split, tiles, k, n, block_n, block_k // 2, direction, num_sms, auto_split)
+  while direction == "fwd" and auto_split and tiles * split < target and block_k > 128:
+    finer = _split(cfg.split, tiles, k, n, block_n, block_k // 2, direction, target, auto_split, ragged)
     if finer <= split:  # shorter steps alone buy nothing
       break
     block_k, split = block_k // 2, finer
@@ -148,20 +155,36 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
                              dequant=dequant, engine=engine)
 
 
-def _split(split: int, tiles: int, k: int, n: int, block_n: int, block_k: int, direction: str, num_sms: int,
-           auto: bool) -> int:
-  """The contraction split: the given one, or (auto) the power of two that gives ~2 programs per SM; capped
-  by the contraction steps and, forward, lowered until it divides them."""
+def _split(split: int, tiles: int, k: int, n: int, block_n: int, block_k: int, direction: str, target: int,
+           auto: bool, ragged: bool = False) -> int:
+  """The contraction split: the given one, or (auto) the one that gives ~``target`` programs (tile kernels: a
+  power of two up to 32); capped by the contraction steps. Forward: ragged (gemv), lowered until no K range
+  is empty; otherwise lowered until it divides the steps (split-K cuts K into whole block_k steps)."""
   steps = k // block_k if direction == "fwd" else -(-n // block_n)
-  if auto:
+  if auto and ragged:  # the fewest ranges that reach the target once empty ones are dropped
+    split = needed = -(-target // tiles)
+    while split < steps and gemv_split_trips(steps, split)[1] < needed:
+      split += 1
+  elif auto:
     split = 1
-    while tiles * split < 2 * num_sms and split * 2 <= min(steps, 32):
+    while tiles * split < target and split * 2 <= min(steps, 32):
       split *= 2
   split = max(1, min(split, steps))
-  if direction == "fwd":
-    while steps % split:  # split-K must cut K into whole block_k steps
+  if direction == "fwd" and ragged:
+    split = gemv_split_trips(steps, split)[1]
+  elif direction == "fwd":
+    while steps % split:
       split -= 1
   return split
+
+
+def gemv_split_trips(steps: int, split: int) -> tuple[int, int]:
+  """(K steps per range, ranges) of a gemv split: ceil(steps / split) each, the last range the remainder.
+
+  A requested split that would leave a range empty (14 steps in 6 ranges of 3) shrinks to the ranges that
+  have steps (5)."""
+  per = -(-steps // split)
+  return per, -(-steps // per)
 
 
 def _device_file(device_kind: str) -> str:
@@ -169,9 +192,16 @@ def _device_file(device_kind: str) -> str:
   return os.path.join(_TUNING_DIR, f"{name}.json")
 
 
-@functools.lru_cache(maxsize=None)
 def _tuning_file(device_kind: str) -> dict:
-  path = _device_file(device_kind)
+  """The device kind's tuning data; QERL_KERNEL_TUNING=path replaces it (to try a tuning without editing it)."""
+  override = os.environ.get("QERL_KERNEL_TUNING")
+  if override and not os.path.exists(override):
+    raise FileNotFoundError(f"QERL_KERNEL_TUNING={override!r} does not exist")
+  return _read_json(override or _device_file(device_kind))
+
+
+@functools.lru_cache(maxsize=None)
+def _read_json(path: str) -> dict:
   if not os.path.exists(path):
     return {}
   with open(path) as f:

@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels import nvfp4_epilogue, nvfp4_tile
-from kernels.config import GEMV_MAX_ROWS, Nvfp4MatmulConfig
+from kernels.config import GEMV_MAX_ROWS, Nvfp4MatmulConfig, gemv_split_trips
 from kernels.nvfp4_epilogue import Epilogue
 
 
@@ -39,13 +39,14 @@ def gemv_x_layout(x_MxK: jax.Array) -> jax.Array:
 
 
 def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n: int, rows: int, block_n: int,
-                      block_b: int, b_per_split: int, split: int, dequant: str = "jnp",
+                      block_b: int, steps: int, split: int, dequant: str = "jnp",
                       epilogue: Epilogue = Epilogue(), prefetch: bool = False):
   """One block_n slice of y for every row, over one split of the K blocks.
 
   x_ref f32 [M, 2, K/16, 8]; layer_ref int32 [1]; packed_ref uint8 [L*N, K/16, 8]; scale_ref e4m3
   [L*N, K/16]; gs_ref f32 [L] (rows layer*N .. layer*N + N are this weight); rest: the epilogue's refs
   (``nvfp4_epilogue``), then o_ref [M, N] (x dtype) when split == 1, else float32 partials [split, M, N].
+  steps: K trips of block_b NVFP4 blocks in all, cut into ``split`` ranges (``split_range``).
   dequant "asm" decodes with inline PTX (GPU only); any other value with the e4m3 conversion.
   prefetch: load each next trip's weights first (``k_loop``).
   """
@@ -53,10 +54,10 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
   layer = layer_ref[0]
   pid_n, pid_s, cols_N, col_mask, cols = program_columns(n, block_n)
   w_rows = pl.ds(layer * n + pid_n * block_n, block_n)
-  trips = b_per_split // block_b
+  first, trips = split_range(pid_s, steps, split)
 
   def blocks(i):
-    return pl.ds(pl.multiple_of(pid_s * b_per_split + i * block_b, block_b), block_b)
+    return pl.ds(pl.multiple_of((first + i) * block_b, block_b), block_b)
 
   def load_weights(i):
     p_NxBx8 = plgpu.load(packed_ref.at[w_rows, blocks(i), :], mask=col_mask[:, None, None], other=0)
@@ -94,7 +95,19 @@ def program_columns(n: int, block_n: int):
   return pid_n, pid_s, cols_N, cols_N < n, pl.ds(pid_n * block_n, block_n)
 
 
-def k_loop(trips: int, load_weights, trip, zeros: tuple, prefetch: bool) -> tuple:
+def split_range(pid_s, steps: int, split: int):
+  """(first trip, trips) of K split ``pid_s``: ranges of ceil(steps / split) trips, the last one shorter when
+  they do not divide (``config.gemv_split_trips``; a ragged split lets the split fill the GPU whatever
+  the factors of the step count, e.g. 74 steps of 7B down_proj in 5 ranges). A static trip count when even."""
+  per, ranges = gemv_split_trips(steps, split)
+  if ranges != split:
+    raise ValueError(f"a split of {steps} K steps into {split} ranges leaves one empty; use {ranges}")
+  if steps % split == 0:
+    return pid_s * per, per
+  return pid_s * per, jnp.minimum(per, steps - pid_s * per)
+
+
+def k_loop(trips, load_weights, trip, zeros: tuple, prefetch: bool) -> tuple:
   """The gemv's K loop: accs = trip(i, *load_weights(i), accs) for i < trips, from ``zeros``.
 
   prefetch: each trip loads the next trip's weights before its own math (carried in the loop state), since
@@ -131,7 +144,7 @@ def store_rows(accs: tuple, multiplier, o_ref, epi_refs, epilogue: Epilogue, *, 
 def check_launch(m: int, k: int, cfg: Nvfp4MatmulConfig) -> None:
   if m > GEMV_MAX_ROWS:
     raise ValueError(f"the gemv kernel takes at most {GEMV_MAX_ROWS} rows, got {m}")
-  if k % cfg.block_k or (k // cfg.block_k) % cfg.split:
+  if k % cfg.block_k or cfg.split > k // cfg.block_k:
     raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
 
 
@@ -150,7 +163,7 @@ def nvfp4_gemv_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.
   check_launch(m, k, cfg)
   kb = k // 16
   kernel = functools.partial(nvfp4_gemv_kernel, n=n, rows=m, block_n=cfg.block_n, block_b=cfg.block_k // 16,
-                             b_per_split=kb // cfg.split, split=cfg.split,
+                             steps=k // cfg.block_k, split=cfg.split,
                              dequant=nvfp4_tile.decoder(cfg.dequant, interpret), epilogue=epi,
                              prefetch=cfg.prefetch)
   operands = [gemv_x_layout(x_MxK), layer_1, packed.reshape(packed.shape[0], kb, 8), scale, gs, *epi_ops]

@@ -86,7 +86,7 @@ def decode_words(words: jax.Array, use_asm: bool) -> list[jax.Array]:
 
 
 def nvfp4_gemv_words_kernel(x_ref, layer_ref, words_ref, scale_ref, gs_ref, *rest, n: int, rows: int, block_n: int,
-                            block_w: int, w_per_split: int, split: int, use_asm: bool,
+                            block_w: int, steps: int, split: int, use_asm: bool,
                             epilogue: Epilogue = Epilogue(), prefetch: bool = False):
   """One block_n slice of y for every row, over one split of the K words.
 
@@ -97,12 +97,13 @@ def nvfp4_gemv_words_kernel(x_ref, layer_ref, words_ref, scale_ref, gs_ref, *res
   *epi_refs, o_ref = rest
   layer = layer_ref[0]
   pid_n, pid_s, cols_N, col_mask, cols = nvfp4_gemv.program_columns(n, block_n)
+  first, trips = nvfp4_gemv.split_range(pid_s, steps, split)
   shape = (block_n, block_w)
   w_rows_NxW = jnp.broadcast_to((layer * n + cols_N)[:, None], shape)
   mask_NxW = jnp.broadcast_to(col_mask[:, None], shape)
 
   def first_word(i):
-    return pl.multiple_of(pid_s * w_per_split + i * block_w, block_w)
+    return pl.multiple_of((first + i) * block_w, block_w)
 
   def word_idx(i):  # trip i's word indices in the tile's shape (gathers with them share its layout)
     return jnp.broadcast_to((first_word(i) + jnp.arange(block_w))[None, :], shape)
@@ -127,7 +128,7 @@ def nvfp4_gemv_words_kernel(x_ref, layer_ref, words_ref, scale_ref, gs_ref, *res
     return tuple(out)
 
   zeros = tuple(jnp.zeros(shape, jnp.float32) for _ in range(rows))
-  accs = nvfp4_gemv.k_loop(w_per_split // block_w, load_weights, trip, zeros, prefetch)
+  accs = nvfp4_gemv.k_loop(trips, load_weights, trip, zeros, prefetch)
   nvfp4_gemv.store_rows(accs, 1.0 / gs_ref[layer], o_ref, epi_refs, epilogue, split=split, pid_s=pid_s, cols=cols,
                         col_mask=col_mask)
 
@@ -144,7 +145,7 @@ def nvfp4_gemv_words_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb
   # The packed rows as little-endian 32-bit words (a bitcast, no copy).
   words = jax.lax.bitcast_convert_type(packed.reshape(packed.shape[0], k // 8, 4), jnp.int32)
   kernel = functools.partial(nvfp4_gemv_words_kernel, n=n, rows=m, block_n=cfg.block_n, block_w=cfg.block_k // 8,
-                             w_per_split=k // 8 // cfg.split, split=cfg.split, use_asm=not interpret, epilogue=epi,
+                             steps=k // cfg.block_k, split=cfg.split, use_asm=not interpret, epilogue=epi,
                              prefetch=cfg.prefetch)
   operands = [words_x_layout(x_MxK), layer_1, words, scale, gs, *epi_ops]
   return nvfp4_tile.launch(kernel, operands, rows=m, cols=n, split=cfg.split, dtype=x_MxK.dtype,

@@ -6,6 +6,8 @@ random global scale; the seed comes from the test name. Interpret mode starts ev
 """
 
 import contextlib
+import dataclasses
+import json
 import functools
 import io
 import zlib
@@ -74,10 +76,13 @@ FWD_CASES = [
   (1, 16, 16, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=16, engine="gemv")),
   (5, 192, 56, jnp.float16, Nvfp4MatmulConfig(block_n=32, block_k=64, split=3, engine="gemv")),
   (16, 256, 40, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=2, engine="gemv")),
+  # A ragged gemv split: 5 K steps in ranges of 3 and 2 (the last program's loop is shorter), with prefetch.
+  (3, 160, 40, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=2, engine="gemv", prefetch=True)),
   # The gemv over 32-bit words of packed weights ("words"): the same three shapes.
   (1, 16, 16, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=16, engine="gemv", dequant="words")),
   (5, 192, 56, jnp.float16, Nvfp4MatmulConfig(block_n=32, block_k=64, split=3, engine="gemv", dequant="words")),
   (16, 256, 40, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=2, engine="gemv", dequant="words")),
+  (2, 160, 24, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=3, engine="gemv", dequant="words")),
 ]
 
 
@@ -237,7 +242,9 @@ def test_configs_fit_every_shape():
         for k, n in shapes:
           cfg = config_lib.get_config(direction, rows, k, n, kind)
           assert k % cfg.block_k == 0
-          if direction == "fwd":
+          if direction == "fwd" and cfg.engine == "gemv":  # ragged: no K range may be empty
+            assert config_lib.gemv_split_trips(k // cfg.block_k, cfg.split)[1] == cfg.split
+          elif direction == "fwd":
             assert (k // cfg.block_k) % cfg.split == 0
   # Few rows split the contraction so that ~2 programs per SM stream weights; decode rows take the gemv engine,
   # whose narrow column blocks alone give every SM work.
@@ -248,13 +255,16 @@ def test_configs_fit_every_shape():
 
 
 def test_few_row_forwards_shorten_k_steps_when_they_admit_no_split():
-  # 7B down_proj at 1 row: 18944 / 512 = 37 steps (prime) admits no split of its 224 column blocks, so the
-  # gemv halves block_k to 256 for a split of 2 (448 programs); at 16 rows the tile kernel's 56 column blocks
-  # get block_k 128 and a split of 4 instead of 256 and 2. A shape whose split is already full, or that
-  # shorter steps would not help, keeps block_k.
-  gemv = Nvfp4MatmulConfig(block_n=16, block_k=512, engine="gemv")  # (the H200 tuning has block_k 256 now)
+  # 7B down_proj at 16 rows: 18944 / 256 = 74 steps admit no split of 4 for the tile kernel's 56 column blocks,
+  # so it gets block_k 128 and a split of 4 instead of 256 and 2. The gemv's split may be ragged: at 1 row
+  # its 224 column blocks of 16 take 37 steps of 512 in 2 ranges (19 + 18) for 2 programs per SM, or in 5
+  # ranges of 8 (the last 5) for 8 per SM, and keep block_k. A shape whose split is already full keeps block_k.
+  gemv = Nvfp4MatmulConfig(block_n=16, block_k=512, engine="gemv")
   down = config_lib.fit(gemv, "fwd", 1, 18944, 3584, auto_split=True)
-  assert (down.engine, down.block_k, down.split) == ("gemv", 256, 2)
+  assert (down.engine, down.block_k, down.split) == ("gemv", 512, 2)
+  wave = config_lib.fit(dataclasses.replace(gemv, programs_per_sm=8), "fwd", 1, 18944, 3584, auto_split=True)
+  assert (wave.block_k, wave.split) == (512, 5) and config_lib.gemv_split_trips(37, 5) == (8, 5)
+  assert config_lib.gemv_split_trips(14, 6) == (3, 5)  # 6 ranges of 3 would leave the last one empty
   down16 = config_lib.get_config("fwd", 16, 18944, 3584, "NVIDIA H200")
   assert (down16.engine, down16.block_k, down16.split) == ("tensorcore", 128, 4)
   gate = config_lib.fit(gemv, "fwd", 1, 3584, 18944, auto_split=True)
@@ -263,6 +273,30 @@ def test_few_row_forwards_shorten_k_steps_when_they_admit_no_split():
   assert k_proj.split * (512 // k_proj.block_n) >= 2 * 132 and 3584 % (k_proj.block_k * k_proj.split) == 0
   bwd = config_lib.get_config("bwd", 16, 18944, 3584, "NVIDIA H200")  # the backward splits N: left alone
   assert bwd.block_k == 64
+
+
+def test_gemv_split_leaving_a_k_range_empty_is_refused(request):
+  from kernels.nvfp4_gemv import nvfp4_gemv_pallas
+  q = _random_q(_rng(request), 96, 32)  # 6 K steps of 16: 4 ranges of 2 would leave the fourth empty
+  cfg = Nvfp4MatmulConfig(block_n=16, block_k=16, split=4, engine="gemv")
+  with pytest.raises(ValueError, match="leaves one empty; use 3"):
+    nvfp4_gemv_pallas(jnp.ones((1, 96), jnp.bfloat16), q.packed_NxKh, q.scale_NxKb, q.global_scale, config=cfg,
+                      interpret=True)
+
+
+def test_tuning_file_override_by_environment(tmp_path, monkeypatch):
+  entry = {"direction": "fwd", "max_rows": 2, "config": {"engine": "gemv", "block_n": 32, "block_k": 128,
+                                                         "programs_per_sm": 8, "dequant": "words"}}
+  path = tmp_path / "tuning.json"
+  path.write_text(json.dumps({"entries": [entry]}))
+  monkeypatch.setenv("QERL_KERNEL_TUNING", str(path))
+  cfg = config_lib.get_config("fwd", 1, 18944, 3584, "Any GPU")
+  # 112 column blocks of 32 need 9.4 ranges for 8 programs on each of 132 SMs: 148 steps in 10 of 15 (the last 13)
+  assert (cfg.engine, cfg.block_n, cfg.block_k, cfg.dequant, cfg.split) == ("gemv", 32, 128, "words", 10)
+  assert config_lib.get_config("fwd", 64, 3584, 3584, "Any GPU") == config_lib.heuristic_config("fwd", 64, 3584, 3584)
+  monkeypatch.setenv("QERL_KERNEL_TUNING", str(tmp_path / "missing.json"))
+  with pytest.raises(FileNotFoundError, match="QERL_KERNEL_TUNING"):
+    config_lib.get_config("fwd", 1, 3584, 3584, "Any GPU")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -507,6 +541,8 @@ _LOWERING_CASES = {  # name -> (direction, config, with the epilogue)
   "fwd-gemv-asm-epilogue": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv", dequant="asm"), True),
   "fwd-gemv-asm-prefetch": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv", dequant="asm",
                                                      prefetch=True), False),
+  "fwd-gemv-asm-ragged": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=32, split=3, engine="gemv", dequant="asm",
+                                                   prefetch=True), False),  # 8 K steps as 3 + 3 + 2
   "fwd-gemv-words-epilogue": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv", dequant="words"), True),
   "bwd-jnp": ("bwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64), False),
   "bwd-asm": ("bwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64, split=2, dequant="asm"), False),
