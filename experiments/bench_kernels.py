@@ -88,19 +88,17 @@ CANDIDATES = {
 }
 
 
-# Few-row (gemv engine) candidates for --gemv: (block_n, block_k, num_warps, num_stages).
-GEMV_CANDIDATES = [_C(block_n=bn, block_k=bk, num_warps=w, num_stages=st, engine="gemv", prefetch=pf, dequant=dq)
+# Few-row (gemv engine) candidates for --gemv: (block_n, block_k, num_warps, num_stages, prefetch, decoder), each
+# split to aim at 8 programs per SM (in-model at 1 row, d55cfc8: 8 per SM beat 2 and 4 by 0.29 / 0.12 ms per step).
+GEMV_CANDIDATES = [_C(block_n=bn, block_k=bk, num_warps=w, num_stages=st, engine="gemv", prefetch=pf, dequant=dq,
+                      programs_per_sm=8)
                    for bn, bk, w, st, pf, dq in [
                        (32, 256, 4, 3, False, "jnp"), (64, 256, 4, 3, False, "jnp"), (32, 512, 4, 3, False, "jnp"),
                        (64, 128, 4, 3, False, "jnp"), (16, 512, 4, 3, False, "jnp"), (64, 256, 8, 3, False, "jnp"),
                        (128, 128, 8, 2, False, "jnp"), (16, 512, 4, 3, True, "jnp"), (32, 256, 4, 3, True, "jnp"),
                        # prefetch took 15-25% off the e4m3 decoder at 1-2 rows (f391df6); with the PTX decoder:
                        (16, 512, 4, 3, True, "asm"), (32, 256, 4, 3, True, "asm"), (16, 256, 4, 3, True, "asm"),
-                       (64, 128, 4, 3, True, "asm"), (32, 512, 8, 3, True, "asm"),
-                       # 32-bit words in one register layout (nvfp4_gemv_words; kernel_sass at 1 row: 6.2-7.1
-                       # instructions per weight against 9.5 for the tuned asm gemv, 2 barriers per trip against 6)
-                       (16, 256, 4, 3, False, "words"), (16, 256, 4, 3, True, "words"), (32, 256, 4, 3, False, "words"),
-                       (16, 512, 4, 3, False, "words"), (64, 128, 4, 3, True, "words")]]
+                       (64, 128, 4, 3, True, "asm"), (32, 512, 8, 3, True, "asm")]]
 
 
 def _time_loop(op, x, ws, min_ms: float = 5.0, reps: int = 5) -> float:

@@ -17,7 +17,7 @@ import os
 _TUNING_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 # Streaming multiprocessors to fill with programs when there are few rows (132 on the H100/H200 SXM).
 _DEFAULT_NUM_SMS = 132
-DECODERS = ("jnp", "halves", "asm", "words")
+DECODERS = ("jnp", "halves", "asm")
 HALVES_DECODERS = ("halves", "asm")  # the decoders that split x (or dx) into even and odd columns
 ENGINES = ("tensorcore", "gemv")
 # The gemv engine unrolls its rows (one accumulator each); past this many the tensor-core kernel runs.
@@ -36,9 +36,7 @@ class Nvfp4MatmulConfig:
   dequant: how tiles are decoded: "jnp" (decode, then interleave the two nibbles of each byte into logical
   order), "halves" (no interleave: the even and odd columns of x are split outside the kernel and each
   nibble plane meets its half; needs block_k >= 32), or "asm" (the "halves" layout decoded by inline PTX:
-  a few bit operations and paired multiply-adds per packed word; GPU only, interpret mode runs "halves"), or,
-  gemv engine only, "words" (the packed weights read as 32-bit words, decoded by PTX in one register layout;
-  ``nvfp4_gemv_words``).
+  a few bit operations and paired multiply-adds per packed word; GPU only, interpret mode runs "halves").
   programs_per_sm: with an automatic split, how many programs per SM to aim for. The tile kernels aim for 2;
   a gemv program is small (4 warps, ~56 registers: 9 fit on an H200 SM), so it may aim for a full wave. The
   gemv's split may be ragged (its last K range shorter); the tile kernels' split divides the K steps.
@@ -55,7 +53,7 @@ class Nvfp4MatmulConfig:
   group_m: int = 8
   num_warps: int = 4
   num_stages: int = 3
-  dequant: str = "jnp"  # "jnp" | "halves" (portable) | "asm" (inline PTX, GPU only) | "words" (gemv only)
+  dequant: str = "jnp"  # "jnp" | "halves" (portable) | "asm" (inline PTX, GPU only)
   engine: str = "tensorcore"  # "tensorcore" | "gemv"
   prefetch: bool = False  # gemv: load the next K trip's weights before this trip's math (see nvfp4_gemv)
   programs_per_sm: int = 2  # the automatic split's goal: this many programs per SM (``fit``)
@@ -65,8 +63,6 @@ class Nvfp4MatmulConfig:
       raise ValueError(f"{self.engine=} must be one of {ENGINES}")
     if self.dequant not in DECODERS:
       raise ValueError(f"{self.dequant=} must be one of {DECODERS}")
-    if self.dequant == "words" and self.engine != "gemv":
-      raise ValueError(f"dequant='words' is a gemv decoder; {self.engine=} needs one of {DECODERS[:3]}")
     for name in ("block_m", "block_n", "block_k"):
       v = getattr(self, name)
       if v < 16 or v & (v - 1):
@@ -149,8 +145,6 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
     block_k, split = block_k // 2, finer
   # "halves" contracts block_k / 2 columns per dot, and Triton's dots need at least 16.
   dequant = "jnp" if cfg.dequant in HALVES_DECODERS and block_k < 32 else cfg.dequant
-  if engine == "tensorcore" and dequant == "words":  # a gemv config past the gemv's rows
-    dequant = "asm"
   return dataclasses.replace(cfg, block_m=block_m, block_n=block_n, block_k=block_k, split=split,
                              dequant=dequant, engine=engine)
 

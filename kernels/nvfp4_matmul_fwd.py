@@ -22,7 +22,6 @@ from kernels import nvfp4_epilogue, nvfp4_tile
 from kernels.config import HALVES_DECODERS, Nvfp4MatmulConfig
 from kernels.nvfp4_epilogue import Epilogue
 from kernels.nvfp4_gemv import nvfp4_gemv_pallas
-from kernels.nvfp4_gemv_words import nvfp4_gemv_words_pallas
 
 
 def _tile_ids(pid, num_m: int, num_n: int, group_m: int):
@@ -116,7 +115,7 @@ def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb
                             interpret: bool = False, poison: bool = False, layer=None, xa_MxR=None, b_RxN=None,
                             bias_N=None, lora_scale: float = 0.0) -> jax.Array:
   """Builds the grid and launches the forward kernel (or, for config.engine == "gemv", the few-row kernel of
-  ``nvfp4_gemv``, or ``nvfp4_gemv_words`` for dequant="words"); returns y [M, N] in x's dtype.
+  ``nvfp4_gemv``); returns y [M, N] in x's dtype.
 
   The weight is one [N, K/2] tensor, or stacked [L, N, K/2] with ``layer`` picking one (read in place).
   xa_MxR, b_RxN, bias_N, lora_scale: the epilogue, y += bias + lora_scale * xa @ B (``nvfp4_epilogue``).
@@ -124,9 +123,8 @@ def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb
   """
   epi_ops, epi = nvfp4_epilogue.operands(xa_MxR, b_RxN, bias_N, lora_scale)
   if config.engine == "gemv":
-    gemv = nvfp4_gemv_words_pallas if config.dequant == "words" else nvfp4_gemv_pallas
-    return gemv(x_MxK, packed_NxKh, scale_NxKb, global_scale, config=config, interpret=interpret, poison=poison,
-                layer=layer, epilogue=(epi_ops, epi))
+    return nvfp4_gemv_pallas(x_MxK, packed_NxKh, scale_NxKb, global_scale, config=config, interpret=interpret,
+                             poison=poison, layer=layer, epilogue=(epi_ops, epi))
   m, k = x_MxK.shape
   weight_operands, n = nvfp4_tile.layer_operands(packed_NxKh, scale_NxKb, global_scale, layer)
   cfg = config

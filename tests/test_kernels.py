@@ -78,11 +78,7 @@ FWD_CASES = [
   (16, 256, 40, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=2, engine="gemv")),
   # A ragged gemv split: 5 K steps in ranges of 3 and 2 (the last program's loop is shorter), with prefetch.
   (3, 160, 40, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=2, engine="gemv", prefetch=True)),
-  # The gemv over 32-bit words of packed weights ("words"): the same three shapes.
-  (1, 16, 16, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=16, engine="gemv", dequant="words")),
-  (5, 192, 56, jnp.float16, Nvfp4MatmulConfig(block_n=32, block_k=64, split=3, engine="gemv", dequant="words")),
-  (16, 256, 40, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=2, engine="gemv", dequant="words")),
-  (2, 160, 24, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=3, engine="gemv", dequant="words")),
+  (2, 160, 24, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=3, engine="gemv", dequant="asm")),
 ]
 
 
@@ -286,13 +282,13 @@ def test_gemv_split_leaving_a_k_range_empty_is_refused(request):
 
 def test_tuning_file_override_by_environment(tmp_path, monkeypatch):
   entry = {"direction": "fwd", "max_rows": 2, "config": {"engine": "gemv", "block_n": 32, "block_k": 128,
-                                                         "programs_per_sm": 8, "dequant": "words"}}
+                                                         "programs_per_sm": 8, "dequant": "asm"}}
   path = tmp_path / "tuning.json"
   path.write_text(json.dumps({"entries": [entry]}))
   monkeypatch.setenv("QERL_KERNEL_TUNING", str(path))
   cfg = config_lib.get_config("fwd", 1, 18944, 3584, "Any GPU")
   # 112 column blocks of 32 need 9.4 ranges for 8 programs on each of 132 SMs: 148 steps in 10 of 15 (the last 13)
-  assert (cfg.engine, cfg.block_n, cfg.block_k, cfg.dequant, cfg.split) == ("gemv", 32, 128, "words", 10)
+  assert (cfg.engine, cfg.block_n, cfg.block_k, cfg.dequant, cfg.split) == ("gemv", 32, 128, "asm", 10)
   assert config_lib.get_config("fwd", 64, 3584, 3584, "Any GPU") == config_lib.heuristic_config("fwd", 64, 3584, 3584)
   monkeypatch.setenv("QERL_KERNEL_TUNING", str(tmp_path / "missing.json"))
   with pytest.raises(FileNotFoundError, match="QERL_KERNEL_TUNING"):
@@ -329,64 +325,6 @@ def test_asm_decoder_bit_logic_in_numpy(dtype):
       np.testing.assert_array_equal(got_CxS * divisor, want_CxS)
 
 
-def _run_pair_ptx(asm: str, word: np.ndarray) -> np.ndarray:
-  """Interprets the PTX subset ``pair_ptx`` uses (mov/shl/shr/and/or on .b32, fma.rn.bf16x2) in NumPy."""
-  import re
-
-  regs = {"$1": word.astype(np.uint64)}
-  value = lambda tok: regs[tok] if tok in regs else np.uint64(int(tok, 0))
-  for op, args in re.findall(r"(\w+\.[\w.]+)\s+([^;]+);", asm):
-    dst, *src = [a.strip() for a in args.split(",")]
-    if op == ".reg.b32" or op.startswith(".reg"):
-      continue
-    a = [value(t) for t in src]
-    if op == "mov.b32":
-      out = a[0]
-    elif op == "shl.b32":
-      out = (a[0] << a[1]) & 0xFFFFFFFF
-    elif op == "shr.b32":
-      out = a[0] >> a[1]
-    elif op == "and.b32":
-      out = a[0] & a[1]
-    elif op == "or.b32":
-      out = a[0] | a[1]
-    elif op == "fma.rn.bf16x2":  # per 16-bit half: a * b + c, rounded to bf16 (asserted exact below)
-      halves = []
-      for shift in (0, 16):
-        f = [((np.broadcast_to(v, word.shape) >> shift) & 0xFFFF).astype(np.uint16).view(ml_dtypes.bfloat16)
-             .astype(np.float64) for v in a]
-        exact = f[0] * f[1] + f[2]
-        rounded = exact.astype(ml_dtypes.bfloat16)
-        np.testing.assert_array_equal(rounded.astype(np.float64), exact)  # no lost bits, no overflow
-        halves.append(rounded.view(np.uint16).astype(np.uint64) << shift)
-      out = halves[0] | halves[1]
-    else:
-      raise AssertionError(f"unexpected PTX op {op}")
-    regs[dst] = np.broadcast_to(out, word.shape).astype(np.uint64)
-  return regs["$0"]
-
-
-def test_words_decoder_ptx_in_numpy(request):
-  """Runs each nibble pair's PTX (read back from ``pair_ptx``) on words holding every pair of nibbles at
-  positions (i, i + 4) plus random ones, widens each half to float32 as the kernel does, and compares with
-  the E2M1 value of that nibble: a wrong shift, mask or constant fails here though CI cannot run PTX."""
-  from kernels import nvfp4_gemv_words
-
-  rng = _rng(request)
-  lo, hi = np.meshgrid(np.arange(16, dtype=np.uint64), np.arange(16, dtype=np.uint64))
-  background = rng.integers(0, 2**32, lo.size, dtype=np.uint64)
-  for i in range(4):
-    clear = ~np.uint64((0xF << 4 * i) | (0xF << 4 * (i + 4))) & np.uint64(0xFFFFFFFF)
-    words = (background & clear) | (lo.ravel() << np.uint64(4 * i)) | (hi.ravel() << np.uint64(4 * (i + 4)))
-    words = np.concatenate([words, rng.integers(0, 2**32, 4096, dtype=np.uint64)])
-    pair = _run_pair_ptx(nvfp4_gemv_words.pair_ptx(i), words)
-    for plane, bits in ((i, (pair << 16) & 0xFFFFFFFF), (i + 4, pair & 0xFFFF0000)):
-      got = bits.astype(np.uint32).view(np.float32)
-      nib = (words >> np.uint64(4 * plane)) & 0xF
-      np.testing.assert_array_equal(got, E2M1[nib.astype(np.int64)].astype(np.float32), err_msg=f"plane {plane}")
-      assert np.array_equal(np.signbit(got), nib >= 8)  # -0.0 keeps its sign
-
-
 def test_quantized_bf16_weight_fwd_and_grad_match_reference(request):
   """End to end on a real quantization (qerl_jax.quant.quantize) of a random bf16 weight."""
   from qerl_jax import quant
@@ -419,8 +357,6 @@ def test_halves_decoder_falls_back_where_a_half_tile_would_be_under_16_columns()
   assert config_lib.fit(Nvfp4MatmulConfig(block_k=64, dequant="halves"), "bwd", 4, 96, 32).dequant == "halves"
   with pytest.raises(ValueError, match="dequant='nibbles' must be one of"):
     Nvfp4MatmulConfig(dequant="nibbles")
-  with pytest.raises(ValueError, match="'words' is a gemv decoder"):
-    Nvfp4MatmulConfig(dequant="words")
 
 
 def _dispatch_configs(kind):
@@ -435,11 +371,10 @@ def _dispatch_configs(kind):
     "asm-gemv": (Nvfp4MatmulConfig(**gemv, dequant="asm"), None),
     # The gemv loading each K trip's weights one trip ahead (block_k 32: K = 128 takes four trips).
     "gemv-prefetch": (Nvfp4MatmulConfig(**gemv, prefetch=True), None),
-    "words-gemv": (Nvfp4MatmulConfig(**gemv, dequant="words"), None),
   }[kind]
 
 
-@pytest.mark.parametrize("kind", ["halves", "gemv", "asm", "asm-gemv", "gemv-prefetch", "words-gemv"])
+@pytest.mark.parametrize("kind", ["halves", "gemv", "asm", "asm-gemv", "gemv-prefetch"])
 def test_decoders_and_engines_through_dispatch_and_grad(request, kind):
   fwd_config, bwd_config = _dispatch_configs(kind)
   rng = _rng(request)
@@ -543,7 +478,6 @@ _LOWERING_CASES = {  # name -> (direction, config, with the epilogue)
                                                      prefetch=True), False),
   "fwd-gemv-asm-ragged": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=32, split=3, engine="gemv", dequant="asm",
                                                    prefetch=True), False),  # 8 K steps as 3 + 3 + 2
-  "fwd-gemv-words-epilogue": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv", dequant="words"), True),
   "bwd-jnp": ("bwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64), False),
   "bwd-asm": ("bwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64, split=2, dequant="asm"), False),
 }
