@@ -98,7 +98,9 @@ GEMV_CANDIDATES = [_C(block_n=bn, block_k=bk, num_warps=w, num_stages=st, engine
                        (128, 128, 8, 2, False, "jnp"), (16, 512, 4, 3, True, "jnp"), (32, 256, 4, 3, True, "jnp"),
                        # prefetch took 15-25% off the e4m3 decoder at 1-2 rows (f391df6); with the PTX decoder:
                        (16, 512, 4, 3, True, "asm"), (32, 256, 4, 3, True, "asm"), (16, 256, 4, 3, True, "asm"),
-                       (64, 128, 4, 3, True, "asm"), (32, 512, 8, 3, True, "asm")]]
+                       (64, 128, 4, 3, True, "asm"), (32, 512, 8, 3, True, "asm"),
+                       # two trips loaded ahead (untimed at 73521b2)
+                       (16, 256, 4, 3, 2, "asm"), (16, 512, 4, 3, 2, "asm")]]
 
 
 def _time_loop(op, x, ws, min_ms: float = 5.0, reps: int = 5) -> float:

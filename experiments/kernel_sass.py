@@ -145,8 +145,8 @@ def main(argv=None):
   p.add_argument("--direction", default="fwd", choices=["fwd", "bwd"])
   p.add_argument("--block", default="", help="block_m,block_n,block_k,num_warps,num_stages (default: tuned)")
   p.add_argument("--dequant", default="", choices=["", *config_lib.DECODERS])
-  p.add_argument("--prefetch", choices=["tuned", "on", "off"], default="tuned",
-                 help="gemv: load the next trip's weights first (default: as the tuned config does)")
+  p.add_argument("--prefetch", choices=["tuned", "on", "off", "2", "3"], default="tuned",
+                 help="gemv: K trips loaded ahead: on = 1, off = 0, or 2, 3 (default: as the tuned config does)")
   p.add_argument("--out", default="/tmp/kernel_sass")
   args = p.parse_args(argv)
 
@@ -160,7 +160,7 @@ def main(argv=None):
   if args.dequant:
     cfg = dataclasses.replace(cfg, dequant=args.dequant)
   if args.prefetch != "tuned":
-    cfg = dataclasses.replace(cfg, prefetch=args.prefetch == "on")
+    cfg = dataclasses.replace(cfg, prefetch=int({"on": "1", "off": "0"}.get(args.prefetch, args.prefetch)))
   os.makedirs(args.out, exist_ok=True)
   base = os.path.join(args.out, f"{args.shape}.{args.direction}.{args.rows}")
   with open(base + ".ttir", "w") as f:

@@ -55,7 +55,7 @@ class Nvfp4MatmulConfig:
   num_stages: int = 3
   dequant: str = "jnp"  # "jnp" | "halves" (portable) | "asm" (inline PTX, GPU only)
   engine: str = "tensorcore"  # "tensorcore" | "gemv"
-  prefetch: bool = False  # gemv: load the next K trip's weights before this trip's math (see nvfp4_gemv)
+  prefetch: int = 0  # gemv: K trips whose weights are loaded ahead of the math (True = 1; see nvfp4_gemv)
   programs_per_sm: int = 2  # the automatic split's goal: this many programs per SM (``fit``)
 
   def __post_init__(self):
@@ -67,6 +67,9 @@ class Nvfp4MatmulConfig:
       v = getattr(self, name)
       if v < 16 or v & (v - 1):
         raise ValueError(f"{name}={v} must be a power of two >= 16 (Triton dot tiles)")
+    if not isinstance(self.prefetch, int) or not 0 <= self.prefetch <= 4:
+      raise ValueError(f"prefetch={self.prefetch!r} must be a number of K trips from 0 to 4")
+    object.__setattr__(self, "prefetch", int(self.prefetch))  # True (tuning files before 2026-12) is 1
     if min(self.split, self.group_m, self.num_warps, self.num_stages, self.programs_per_sm) < 1:
       raise ValueError(f"bad config {self}")
 

@@ -78,6 +78,9 @@ FWD_CASES = [
   (16, 256, 40, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=2, engine="gemv")),
   # A ragged gemv split: 5 K steps in ranges of 3 and 2 (the last program's loop is shorter), with prefetch.
   (3, 160, 40, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=2, engine="gemv", prefetch=True)),
+  # Three trips loaded ahead: deeper than either range (the loads clamp to the range's last trip).
+  (2, 160, 24, jnp.float16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=2, engine="gemv", prefetch=3)),
+  (1, 256, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, engine="gemv", prefetch=2)),
   (2, 160, 24, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=3, engine="gemv", dequant="asm")),
 ]
 
@@ -226,6 +229,10 @@ def test_bad_inputs_raise_clear_errors(request):
   assert y32.dtype == jnp.float32
   with pytest.raises(ValueError, match="block_k=24"):
     Nvfp4MatmulConfig(block_k=24)
+  for bad in (5, -1, 1.5):
+    with pytest.raises(ValueError, match=f"prefetch={bad!r} must be a number of K trips"):
+      Nvfp4MatmulConfig(engine="gemv", prefetch=bad)
+  assert Nvfp4MatmulConfig(prefetch=True).prefetch == 1 and type(Nvfp4MatmulConfig(prefetch=True).prefetch) is int
 
 
 def test_configs_fit_every_shape():
@@ -478,6 +485,8 @@ _LOWERING_CASES = {  # name -> (direction, config, with the epilogue)
                                                      prefetch=True), False),
   "fwd-gemv-asm-ragged": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=32, split=3, engine="gemv", dequant="asm",
                                                    prefetch=True), False),  # 8 K steps as 3 + 3 + 2
+  "fwd-gemv-asm-prefetch2": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=32, split=3, engine="gemv",
+                                                      dequant="asm", prefetch=2), False),
   "bwd-jnp": ("bwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64), False),
   "bwd-asm": ("bwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64, split=2, dequant="asm"), False),
 }
