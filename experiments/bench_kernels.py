@@ -9,16 +9,23 @@ implementation, config, commit, device, ...); a summary table is printed last. T
 weight + scale bytes over the device-to-device copy bandwidth measured at the start of the same run.
 Timing: each op runs inside one jitted loop over several weight copies (more bytes than L2 holds), so
 launches go back to back without Python in between; the per-call time is the median of 5 runs / calls.
+That wall time includes the loop's own overhead (a few us per pass, large next to a 3-30 us decode kernel);
+``--trace`` also records ``device_us``: the GPU kernel time per call from a profiler trace of the same
+runs (every kernel the op launches, e.g. a split's partial sums, and the loop's one small add per pass).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import jax
@@ -103,12 +110,21 @@ GEMV_CANDIDATES = [_C(block_n=bn, block_k=bk, num_warps=w, num_stages=st, engine
                        (16, 256, 4, 3, 2, "asm"), (16, 512, 4, 3, 2, "asm")]]
 
 
-def _time_loop(op, x, ws, min_ms: float = 5.0, reps: int = 5) -> float:
+_TAGS = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  us: float  # median wall microseconds per op call
+  module: str  # the timed program's HLO module name, which a profiler trace files its kernels under
+  calls: int  # op calls that program ran in all (warm-up included), to turn its kernel time into a per-call one
+
+
+def _time_loop(op, x, ws, min_ms: float = 5.0, reps: int = 5) -> Timing:
   """Median microseconds of one op(x, w) call, timed inside a jitted loop over the weight copies ws."""
   reps = 1 if _INTERPRET else reps  # interpret mode (a CPU smoke test) times nothing worth repeating
   zero = jnp.zeros((), jnp.float32)
 
-  @jax.jit
   def run(x, ws, passes, zero):
     def body(i, ys):
       # A runtime zero keeps each pass from being hoisted out of the loop as loop-invariant.
@@ -118,6 +134,8 @@ def _time_loop(op, x, ws, min_ms: float = 5.0, reps: int = 5) -> float:
     init = tuple(jnp.zeros(s.shape, s.dtype) for s in init)
     return jax.lax.fori_loop(0, passes, body, init)
 
+  run.__name__ = f"bench_{next(_TAGS)}"  # one HLO module name per timed op, to find its kernels in a trace
+  run = jax.jit(run)
   jax.block_until_ready(run(x, ws, 1, zero))  # compile + warm-up
   t0 = time.perf_counter()
   jax.block_until_ready(run(x, ws, 1, zero))
@@ -128,7 +146,8 @@ def _time_loop(op, x, ws, min_ms: float = 5.0, reps: int = 5) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(run(x, ws, passes, zero))
     times.append(time.perf_counter() - t0)
-  return float(np.median(times)) / (passes * len(ws)) * 1e6
+  return Timing(float(np.median(times)) / (passes * len(ws)) * 1e6, f"jit_{run.__name__}",
+                (2 + reps * passes) * len(ws))
 
 
 def _random_weights(key, k, n, copies):
@@ -182,11 +201,27 @@ def _case(direction, k, n, rows, key, dtype):
   return ws, a
 
 
-def _record(direction, k, n, rows, us, bf16_us, bw, **extra):
+def _record(direction, k, n, rows, timed: Timing, bf16: Timing | None, bw, **extra):
+  """A JSON record; "_programs" (dropped before writing) names the timed programs for ``add_device_us``."""
   roof_us = _weight_bytes(k, n) / bw * 1e6
+  us, bf16_us = timed.us, bf16.us if bf16 else float("nan")
   return dict(rows=rows, k=k, n=n, direction=direction, us=round(us, 2), bf16_us=round(bf16_us, 2),
               speedup=round(bf16_us / us, 3), roofline_frac=round(roof_us / us, 3), roofline_us=round(roof_us, 2),
-              **extra)
+              **extra, _programs=(timed, bf16))
+
+
+def add_device_us(records: list, module_us: dict[str, float], bw: float) -> None:
+  """Adds device_us / bf16_device_us (GPU kernel time per call, from a trace's {module: us}) and the speedup
+  and roofline fraction by them; drops "_programs". A program the trace did not see gets no field."""
+  for r in records:
+    timed, bf16 = r.pop("_programs")
+    per_call = {name: module_us[t.module] / t.calls for name, t in (("device_us", timed), ("bf16_device_us", bf16))
+                if t is not None and module_us.get(t.module)}
+    r.update({name: round(us, 2) for name, us in per_call.items()})
+    if "device_us" in per_call:
+      r["device_roofline_frac"] = round(r["roofline_us"] / per_call["device_us"], 3)
+      if "bf16_device_us" in per_call:
+        r["device_speedup"] = round(per_call["bf16_device_us"] / per_call["device_us"], 3)
 
 
 def bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw, dtype=jnp.bfloat16):
@@ -199,7 +234,7 @@ def bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw, dtype=jnp.bfloat1
   compile_s = time.perf_counter() - t0
   if not err < 1e-2:
     raise RuntimeError(f"{direction} k={k} n={n} rows={rows} {cfg}: relative error {err}")
-  us = _time_loop(_kernel_op(direction, cfg), a, ws)
+  timed = _time_loop(_kernel_op(direction, cfg), a, ws)
   bkey = (direction, k, n, rows)
   if bkey not in bf16_cache:
     bcopies = 1 if _INTERPRET else int(np.clip(math.ceil(_L2_BYTES_x4 / (2 * k * n)), 2, 16))
@@ -212,7 +247,7 @@ def bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw, dtype=jnp.bfloat1
     bf16_cache[bkey] = _time_loop(bop, a, wb)
     del wb
   del ws
-  return _record(direction, k, n, rows, us, bf16_cache[bkey], bw, check_rel_err=float(f"{err:.3g}"),
+  return _record(direction, k, n, rows, timed, bf16_cache[bkey], bw, check_rel_err=float(f"{err:.3g}"),
                  config=dataclasses.asdict(cfg), candidate=candidate, first_call_s=round(compile_s, 2))
 
 
@@ -231,8 +266,8 @@ def bench_xla(direction, k, n, rows, key, bf16_cache, bw, dtype=jnp.bfloat16):
     op = lambda x, q: jnp.matmul(x, quant.dequantize(q, x.dtype))
   else:
     op = lambda dy, q: jnp.matmul(dy, quant.dequantize(q, dy.dtype).T)
-  us = _time_loop(op, a, ws)
-  return _record(direction, k, n, rows, us, bf16_cache.get((direction, k, n, rows), float("nan")), bw,
+  timed = _time_loop(op, a, ws)
+  return _record(direction, k, n, rows, timed, bf16_cache.get((direction, k, n, rows)), bw,
                  config={"block_n": 0, "block_k": 0, "split": 0, "num_warps": 0, "engine": "xla"})
 
 
@@ -244,11 +279,17 @@ def _bucket(direction, rows):
 
 
 def _summary(records):
-  lines = [f"{'shape':<18}{'dir':<5}{'rows':>6}{'us':>10}{'bf16_us':>10}{'x bf16':>8}{'roof':>7}  engine"]
+  """The table printed last: wall us per call and, when traced, the device us and ratios by them."""
+  traced = any("device_us" in r for r in records)
+  head = f"{'dev us':>9}{'bf16 dev':>9}{'x bf16':>8}{'roof':>7}" if traced else ""
+  lines = [f"{'shape':<18}{'dir':<5}{'rows':>6}{'us':>10}{'bf16_us':>10}{'x bf16':>8}{'roof':>7}{head}  engine"]
+  nan = float("nan")
   for r in records:
     c = r["config"]
+    dev = (f"{r.get('device_us', nan):>9.1f}{r.get('bf16_device_us', nan):>9.1f}{r.get('device_speedup', nan):>8.2f}"
+           f"{r.get('device_roofline_frac', nan):>7.2f}") if traced else ""
     lines.append(f"{r['shape']:<18}{r['direction']:<5}{r['rows']:>6}{r['us']:>10.1f}{r['bf16_us']:>10.1f}"
-                 f"{r['speedup']:>8.2f}{r['roofline_frac']:>7.2f}  {c.get('engine', 'tensorcore')} "
+                 f"{r['speedup']:>8.2f}{r['roofline_frac']:>7.2f}{dev}  {c.get('engine', 'tensorcore')} "
                  f"n{c['block_n']} k{c['block_k']} s{c['split']} w{c['num_warps']}")
   return "\n".join(lines)
 
@@ -267,6 +308,9 @@ def main(argv=None):
                  help="also time the XLA path (dequantize, then XLA's dot) after each kernel, same shape")
   p.add_argument("--gemv", action="store_true",
                  help="at forward rows <= 16 also time every gemv-engine candidate; the fastest is reported")
+  p.add_argument("--trace", action="store_true",
+                 help="also record each op's GPU kernel time per call (device_us) from a profiler trace, and rank "
+                      "candidates by it")
   p.add_argument("--decoders", default="",
                  help="comma-separated tile decoders to time on each tuned config, or with --sweep on each "
                       "candidate (e.g. jnp,halves,asm)")
@@ -297,37 +341,60 @@ def main(argv=None):
               cands = [dataclasses.replace(cfg, dequant=d) for d in decoders or [cfg.dequant]]
               if args.gemv and direction == "fwd" and rows <= config_lib.GEMV_MAX_ROWS:
                 cands += GEMV_CANDIDATES
-            best = None
-            for cfg in cands:
-              try:
-                rec = bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw)
-              except Exception as e:  # keep going: one bad candidate must not lose the run
-                print(f"FAILED {model}.{layer} {direction} rows={rows} {cfg}: {type(e).__name__}: "
-                      f"{str(e)[:400]}", flush=True)
-                continue
-              rec.update(shape=f"qwen2.5-{model}.{layer}", implementation="pallas", commit=commit,
-                         device=device, copy_tbps=round(bw / 1e12, 3),
-                         sweep="gemv" if args.gemv else bool(args.sweep))
+            tag = dict(shape=f"qwen2.5-{model}.{layer}", commit=commit, device=device,
+                       copy_tbps=round(bw / 1e12, 3))
+            case = _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag)
+            for rec in case:
               f.write(json.dumps(rec) + "\n")
-              f.flush()
               print(json.dumps(rec), flush=True)
-              swept.append(rec)
-              if best is None or rec["us"] < best["us"]:
-                best = rec
-            if best is not None:
-              records.append(best)
-            if args.xla:
-              rec = bench_xla(direction, k, n, rows, key, bf16_cache, bw)
-              rec.update(shape=f"qwen2.5-{model}.{layer}", implementation="xla", commit=commit, device=device,
-                         copy_tbps=round(bw / 1e12, 3), sweep="xla")
-              f.write(json.dumps(rec) + "\n")
-              f.flush()
-              records.append(rec)
+            f.flush()
+            kernels = [r for r in case if r["implementation"] == "pallas"]
+            swept += kernels
+            if kernels:
+              records.append(min(kernels, key=_rank_us))
+            records += [r for r in case if r["implementation"] == "xla"]
   print(_summary(records))
   if args.sweep and args.tuning_out:
     with open(args.tuning_out, "w") as g:
       json.dump({"device_kind": device, "commit": commit, "entries": tuning_entries(swept)}, g, indent=1)
   return records
+
+
+def _rank_us(r) -> float:
+  """The time a candidate is ranked by: its device time when traced, else its wall time."""
+  return r.get("device_us", r["us"])
+
+
+def _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag) -> list:
+  """Times every candidate (and with --xla the XLA path) on one case; with --trace inside one profiler trace,
+  whose kernel time per program becomes each record's device_us."""
+  trace_dir = tempfile.mkdtemp(prefix="bench_kernels_trace_") if args.trace else None
+  if trace_dir:
+    bf16_cache = {}  # the bf16 dot must run inside this case's trace too
+  case = []
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True) if trace_dir else contextlib.nullcontext():
+    for cfg in cands:
+      try:
+        rec = bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw)
+      except Exception as e:  # keep going: one bad candidate must not lose the run
+        print(f"FAILED {tag['shape']} {direction} rows={rows} {cfg}: {type(e).__name__}: {str(e)[:400]}",
+              flush=True)
+        continue
+      case.append(dict(rec, **tag, implementation="pallas", sweep="gemv" if args.gemv else bool(args.sweep)))
+    if args.xla:
+      case.append(dict(bench_xla(direction, k, n, rows, key, bf16_cache, bw), **tag, implementation="xla",
+                       sweep="xla"))
+  module_us = {}
+  if trace_dir:
+    from experiments.profile_decode import module_kernel_us  # pylint: disable=import-outside-toplevel
+    module_us = module_kernel_us(trace_dir) if _has_trace(trace_dir) else {}
+    shutil.rmtree(trace_dir, ignore_errors=True)
+  add_device_us(case, module_us, bw)
+  return case
+
+
+def _has_trace(trace_dir: str) -> bool:
+  return any(name == "perfetto_trace.json.gz" for _, _, names in os.walk(trace_dir) for name in names)
 
 
 def tuning_entries(swept):
@@ -339,7 +406,7 @@ def tuning_entries(swept):
   best_us, scores, cases, timed = {}, {}, {}, {}
   for r in swept:
     case = (r["shape"], r["direction"], r["rows"])
-    best_us[case] = min(best_us.get(case, float("inf")), r["us"])
+    best_us[case] = min(best_us.get(case, float("inf")), _rank_us(r))
   for r in swept:
     cfg = dict(r["candidate"])
     cfg.pop("split")
@@ -348,7 +415,7 @@ def tuning_entries(swept):
     case = (r["shape"], r["direction"], r["rows"])
     cases.setdefault(bucket, set()).add(case)
     timed.setdefault(key, set()).add(case)
-    scores[key] = scores.get(key, 0.0) + r["us"] / best_us[case]
+    scores[key] = scores.get(key, 0.0) + _rank_us(r) / best_us[case]
   entries = {}
   for (direction, bucket, cfg), score in sorted(scores.items(), key=lambda t: t[1]):
     if timed[(direction, bucket, cfg)] == cases[(direction, bucket)]:

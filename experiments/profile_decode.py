@@ -37,12 +37,7 @@ def kernel_totals(trace_dir: str) -> tuple[dict[str, float], dict[str, float], f
   The last maps each kernel to its first event's arguments (e.g. the HLO op it ran for) plus, when the trace's
   "XLA Ops" line names that op, the op's long name (its HLO text), so a fusion can be traced to the model code.
   """
-  path = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-  with gzip.open(path) as f:
-    events = json.load(f)["traceEvents"]
-  procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-  threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  events, procs, threads = _load_trace(trace_dir)
   totals, busy, calls = collections.Counter(), collections.Counter(), collections.Counter()
   details, long_names = {}, {}
   lo, hi = float("inf"), 0.0
@@ -64,6 +59,28 @@ def kernel_totals(trace_dir: str) -> tuple[dict[str, float], dict[str, float], f
   for name, info in details.items():
     info["calls"] = calls[name]
   return dict(totals), dict(busy), (hi - lo if hi else 0.0), details
+
+
+def module_kernel_us(trace_dir: str) -> dict[str, float]:
+  """{HLO module (a jitted function's program, e.g. "jit_bench_3"): total GPU kernel us on the stream lines}."""
+  events, procs, threads = _load_trace(trace_dir)
+  totals = collections.Counter()
+  for e in events:
+    if (e.get("ph") == "X" and "GPU" in procs.get(e["pid"], "")
+        and threads.get((e["pid"], e.get("tid")), "").startswith("Stream")):
+      totals[e.get("args", {}).get("hlo_module", "?")] += e["dur"]
+  return dict(totals)
+
+
+def _load_trace(trace_dir: str) -> tuple[list, dict, dict]:
+  """A perfetto trace's events, {pid: process name} and {(pid, tid): thread name}."""
+  path = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)[0]
+  with gzip.open(path) as f:
+    events = json.load(f)["traceEvents"]
+  procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+  threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  return events, procs, threads
 
 
 def fused_computation(hlo_text: str, kernel: str, max_lines: int = 24) -> str:

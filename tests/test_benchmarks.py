@@ -27,7 +27,7 @@ def test_bench_kernels_times_tile_gemv_and_xla_paths_after_checking_them(tmp_pat
   out = tmp_path / "kernels.jsonl"
   # 8 rows: the tile kernel's default forward, every gemv candidate (<= 16 rows) and the XLA path.
   bench_kernels.main(["--interpret", "--models", "tiny", "--layers", "down", "--rows", "8",
-                      "--gemv", "--xla", "--out", str(out)])
+                      "--gemv", "--xla", "--trace", "--out", str(out)])
   records = _lines(out)
   engines = {(r["direction"], r["config"].get("engine", "tensorcore")) for r in records}
   assert {("fwd", "tensorcore"), ("fwd", "gemv"), ("fwd", "xla"), ("bwd", "tensorcore"), ("bwd", "xla")} <= engines
@@ -38,6 +38,21 @@ def test_bench_kernels_times_tile_gemv_and_xla_paths_after_checking_them(tmp_pat
     assert r["shape"] == "qwen2.5-tiny.down" and (r["k"], r["n"]) == (96, 64)
     if r["implementation"] == "pallas":
       assert r["check_rel_err"] < 1e-2
+
+
+def test_device_time_per_call_comes_from_each_timed_programs_kernels():
+  from experiments import bench_kernels
+  timing = bench_kernels.Timing
+  bw = 4e12
+  kernel, bf16, lost = timing(30.0, "jit_bench_7", 40), timing(50.0, "jit_bench_8", 20), timing(9.0, "jit_bench_9", 5)
+  recs = [bench_kernels._record("fwd", 256, 128, 1, kernel, bf16, bw),
+          bench_kernels._record("fwd", 256, 128, 1, lost, bf16, bw)]
+  bench_kernels.add_device_us(recs, {"jit_bench_7": 800.0, "jit_bench_8": 700.0, "jit_other": 5.0}, bw)
+  first, second = recs
+  assert (first["us"], first["device_us"], first["bf16_device_us"], first["device_speedup"]) == (30.0, 20.0, 35.0, 1.75)
+  assert first["device_roofline_frac"] == round(first["roofline_us"] / 20.0, 3) and "_programs" not in first
+  assert "device_us" not in second and second["bf16_device_us"] == 35.0  # its program is not in the trace
+  assert bench_kernels._rank_us(first) == 20.0 and bench_kernels._rank_us(second) == 9.0
 
 
 def test_tuning_entries_let_only_candidates_timed_on_every_shape_win():
@@ -125,8 +140,10 @@ def test_profile_decode_sums_stream_kernels_only(tmp_path):
     {"ph": "X", "pid": 1, "tid": 8, "ts": 10.0, "dur": 5.0, "name": "custom-call.3",
      "args": {"long_name": "custom-call.3 = bf16[1,512] custom-call(...), "
                            "custom_call_target=\"__gpu$xla.gpu.triton\""}},
-    {"ph": "X", "pid": 2, "tid": 9, "ts": 0.0, "dur": 99.0, "name": "PjitFunction"},
+    {"ph": "X", "pid": 2, "tid": 9, "ts": 0.0, "dur": 99.0, "name": "PjitFunction", "args": {"hlo_module": "x"}},
   ]
+  for e, module in zip(events[4:7], ("jit_decode", "jit_decode", "jit_step")):
+    e["args"]["hlo_module"] = module
   with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
     json.dump({"traceEvents": events}, f)
   totals, busy, span, details = profile_decode.kernel_totals(str(tmp_path))
@@ -135,7 +152,9 @@ def test_profile_decode_sums_stream_kernels_only(tmp_path):
   # Each kernel's first event says which HLO op it ran; the op's HLO text comes from the "XLA Ops" line.
   gemv = details["nvfp4_gemv"]
   assert gemv["hlo_op"] == "custom-call.3" and "gpu.triton" in gemv["long_name"] and gemv["calls"] == 2
-  assert details["loop_add_fusion"] == {"hlo_op": "add.1", "calls": 1}
+  assert details["loop_add_fusion"] == {"hlo_op": "add.1", "hlo_module": "jit_step", "calls": 1}
+  # Per program (bench_kernels --trace): stream kernels only, by the module each ran in.
+  assert profile_decode.module_kernel_us(str(tmp_path)) == {"jit_decode": 8.0, "jit_step": 2.0}
 
 
 def test_profile_decode_finds_a_kernels_fused_computation():
