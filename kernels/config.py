@@ -199,10 +199,27 @@ def _tuning_file(device_kind: str) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _read_json(path: str) -> dict:
+  """A tuning file, checked once: a bad one fails here, naming itself, not later inside a trace."""
   if not os.path.exists(path):
     return {}
   with open(path) as f:
-    return json.load(f)
+    try:
+      data = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"tuning file {path}: not JSON ({e})") from None
+  fields = {f.name for f in dataclasses.fields(Nvfp4MatmulConfig)}
+  for i, e in enumerate(data.get("entries", ())):
+    where = f"tuning file {path}, entry {i}"
+    if e.get("direction") not in ("fwd", "bwd") or not isinstance(e.get("max_rows"), int):
+      raise ValueError(f"{where}: needs \"direction\" fwd|bwd and an integer \"max_rows\", got {e}")
+    unknown = set(e.get("config", {})) - fields
+    if unknown:
+      raise ValueError(f"{where}: unknown config fields {sorted(unknown)} (known: {sorted(fields)})")
+    try:
+      Nvfp4MatmulConfig(**e["config"])
+    except (KeyError, TypeError, ValueError) as err:
+      raise ValueError(f"{where}: {err}") from None
+  return data
 
 
 def load_tuning(device_kind: str) -> tuple:

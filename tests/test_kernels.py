@@ -8,6 +8,7 @@ random global scale; the seed comes from the test name. Interpret mode starts ev
 import contextlib
 import dataclasses
 import json
+import re
 import functools
 import io
 import zlib
@@ -300,6 +301,16 @@ def test_tuning_file_override_by_environment(tmp_path, monkeypatch):
   monkeypatch.setenv("QERL_KERNEL_TUNING", str(tmp_path / "missing.json"))
   with pytest.raises(FileNotFoundError, match="QERL_KERNEL_TUNING"):
     config_lib.get_config("fwd", 1, 3584, 3584, "Any GPU")
+  # A bad file fails when read, naming itself and the entry.
+  bad = {"not JSON": "{", 'an integer "max_rows"': {"entries": [{"direction": "fwd", "config": {}}]},
+         "unknown config fields ['block_nn']": {"entries": [entry, {"direction": "bwd", "max_rows": 8, "config": {"block_nn": 64}}]},
+         "block_k=24": {"entries": [{"direction": "fwd", "max_rows": 8, "config": {"block_k": 24}}]}}
+  for i, (message, content) in enumerate(bad.items()):
+    path = tmp_path / f"bad{i}.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    monkeypatch.setenv("QERL_KERNEL_TUNING", str(path))
+    with pytest.raises(ValueError, match=re.escape(f"tuning file {path}") + ".*" + re.escape(message)):
+      config_lib.get_config("fwd", 1, 3584, 3584, "Any GPU")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
