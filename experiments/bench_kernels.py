@@ -64,6 +64,7 @@ MODELS = {
 ROWS = (1, 8, 16, 64, 256, 2048, 8192)
 _L2_BYTES_x4 = 200 * 2**20  # rotate weight copies until this many bytes are in play (L2 is ~50-60 MB)
 _INTERPRET = False  # --interpret: Pallas interpret mode, a CPU smoke test (one weight copy, one timing rep)
+_TRACE = False  # --trace: each timed op also runs once as its own program, whose kernels a trace sums
 
 # Tile candidates per direction and row bucket, for --sweep.
 _C = Nvfp4MatmulConfig
@@ -116,8 +117,8 @@ _TAGS = itertools.count()
 @dataclasses.dataclass(frozen=True)
 class Timing:
   us: float  # median wall microseconds per op call
-  module: str  # the timed program's HLO module name, which a profiler trace files its kernels under
-  calls: int  # op calls that program ran in all (warm-up included), to turn its kernel time into a per-call one
+  module: str  # with --trace: the HLO module name of one more run, which a profiler trace files kernels under
+  calls: int  # op calls in that run, to turn its kernel time into a per-call one
 
 
 def _time_loop(op, x, ws, min_ms: float = 5.0, reps: int = 5) -> Timing:
@@ -125,7 +126,7 @@ def _time_loop(op, x, ws, min_ms: float = 5.0, reps: int = 5) -> Timing:
   reps = 1 if _INTERPRET else reps  # interpret mode (a CPU smoke test) times nothing worth repeating
   zero = jnp.zeros((), jnp.float32)
 
-  def run(x, ws, passes, zero):
+  def loop(x, ws, passes, zero):
     def body(i, ys):
       # A runtime zero keeps each pass from being hoisted out of the loop as loop-invariant.
       xi = x + (i.astype(jnp.float32) * zero).astype(x.dtype)
@@ -134,8 +135,12 @@ def _time_loop(op, x, ws, min_ms: float = 5.0, reps: int = 5) -> Timing:
     init = tuple(jnp.zeros(s.shape, s.dtype) for s in init)
     return jax.lax.fori_loop(0, passes, body, init)
 
-  run.__name__ = f"bench_{next(_TAGS)}"  # one HLO module name per timed op, to find its kernels in a trace
-  run = jax.jit(run)
+  def program(name):  # the jitted loop as an HLO module of its own name
+    fn = lambda *args: loop(*args)  # noqa: E731
+    fn.__name__ = fn.__qualname__ = name
+    return jax.jit(fn)
+
+  run = program("bench_loop")
   jax.block_until_ready(run(x, ws, 1, zero))  # compile + warm-up
   t0 = time.perf_counter()
   jax.block_until_ready(run(x, ws, 1, zero))
@@ -146,8 +151,14 @@ def _time_loop(op, x, ws, min_ms: float = 5.0, reps: int = 5) -> Timing:
     t0 = time.perf_counter()
     jax.block_until_ready(run(x, ws, passes, zero))
     times.append(time.perf_counter() - t0)
-  return Timing(float(np.median(times)) / (passes * len(ws)) * 1e6, f"jit_{run.__name__}",
-                (2 + reps * passes) * len(ws))
+  us = float(np.median(times)) / (passes * len(ws)) * 1e6
+  if not _TRACE:
+    return Timing(us, "", 0)
+  # One more run under a name of its own, so a trace holds exactly its kernels (its compile reuses the first
+  # one's autotuning, so no autotuning kernels land under that name).
+  name = f"bench_{next(_TAGS)}"
+  jax.block_until_ready(program(name)(x, ws, passes, zero))
+  return Timing(us, f"jit_{name}", passes * len(ws))
 
 
 def _random_weights(key, k, n, copies):
@@ -315,8 +326,8 @@ def main(argv=None):
                  help="comma-separated tile decoders to time on each tuned config, or with --sweep on each "
                       "candidate (e.g. jnp,halves,asm)")
   args = p.parse_args(argv)
-  global _INTERPRET
-  _INTERPRET = args.interpret
+  global _INTERPRET, _TRACE
+  _INTERPRET, _TRACE = args.interpret, args.trace
 
   dev = jax.devices()[0]
   device = dev.device_kind

@@ -69,7 +69,7 @@ class Nvfp4MatmulConfig:
         raise ValueError(f"{name}={v} must be a power of two >= 16 (Triton dot tiles)")
     if not isinstance(self.prefetch, int) or not 0 <= self.prefetch <= 4:
       raise ValueError(f"prefetch={self.prefetch!r} must be a number of K trips from 0 to 4")
-    object.__setattr__(self, "prefetch", int(self.prefetch))  # True (tuning files before 2026-12) is 1
+    object.__setattr__(self, "prefetch", int(self.prefetch))  # a bool (the H200 file has true) is 0 or 1
     if min(self.split, self.group_m, self.num_warps, self.num_stages, self.programs_per_sm) < 1:
       raise ValueError(f"bad config {self}")
 
@@ -210,14 +210,16 @@ def _read_json(path: str) -> dict:
   fields = {f.name for f in dataclasses.fields(Nvfp4MatmulConfig)}
   for i, e in enumerate(data.get("entries", ())):
     where = f"tuning file {path}, entry {i}"
-    if e.get("direction") not in ("fwd", "bwd") or not isinstance(e.get("max_rows"), int):
-      raise ValueError(f"{where}: needs \"direction\" fwd|bwd and an integer \"max_rows\", got {e}")
-    unknown = set(e.get("config", {})) - fields
+    if (e.get("direction") not in ("fwd", "bwd") or not isinstance(e.get("max_rows"), int)
+        or not isinstance(e.get("config"), dict)):
+      raise ValueError(f"{where}: needs \"direction\" fwd|bwd, an integer \"max_rows\" and a \"config\" "
+                       f"object, got {e}")
+    unknown = set(e["config"]) - fields
     if unknown:
       raise ValueError(f"{where}: unknown config fields {sorted(unknown)} (known: {sorted(fields)})")
     try:
       Nvfp4MatmulConfig(**e["config"])
-    except (KeyError, TypeError, ValueError) as err:
+    except (TypeError, ValueError) as err:
       raise ValueError(f"{where}: {err}") from None
   return data
 
