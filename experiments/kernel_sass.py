@@ -147,6 +147,9 @@ def main(argv=None):
   p.add_argument("--dequant", default="", choices=["", *config_lib.DECODERS])
   p.add_argument("--prefetch", choices=["tuned", "on", "off", "2", "3"], default="tuned",
                  help="gemv: K trips loaded ahead: on = 1, off = 0, or 2, 3 (default: as the tuned config does)")
+  p.add_argument("--ragged", action="store_true",
+                 help="tile forward: re-split automatically in ragged K ranges (Nvfp4MatmulConfig.ragged_split; "
+                      "with --block, from its block_k)")
   p.add_argument("--out", default="/tmp/kernel_sass")
   args = p.parse_args(argv)
 
@@ -157,6 +160,9 @@ def main(argv=None):
     bm, bn, bk, warps, stages = map(int, args.block.split(","))
     cfg = config_lib.fit(dataclasses.replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
                                              num_stages=stages, split=1), args.direction, args.rows, k, n)
+  if args.ragged:
+    cfg = config_lib.fit(dataclasses.replace(cfg, ragged_split=True, split=1), args.direction, args.rows, k, n,
+                         auto_split=True)
   if args.dequant:
     cfg = dataclasses.replace(cfg, dequant=args.dequant)
   if args.prefetch != "tuned":

@@ -38,8 +38,10 @@ class Nvfp4MatmulConfig:
   nibble plane meets its half; needs block_k >= 32), or "asm" (the "halves" layout decoded by inline PTX:
   a few bit operations and paired multiply-adds per packed word; GPU only, interpret mode runs "halves").
   programs_per_sm: with an automatic split, how many programs per SM to aim for. The tile kernels aim for 2;
-  a gemv program is small (4 warps, ~56 registers: 9 fit on an H200 SM), so it may aim for a full wave. The
-  gemv's split may be ragged (its last K range shorter); the tile kernels' split divides the K steps.
+  a gemv program is small (4 warps, ~56 registers: 9 fit on an H200 SM), so it may aim for a full wave.
+  ragged_split: a tile forward's K ranges may be ragged (the last one shorter), so its automatic split can
+  reach ``programs_per_sm`` whatever the factors of the K steps; off, it is a power of two that divides them.
+  The gemv's ranges are always ragged.
   engine: "tensorcore" (the tile kernels above) or "gemv" (forward only, at most GEMV_MAX_ROWS rows: each
   decoded weight meets its x element in a float32 multiply-add on the CUDA cores; block_m is unused there
   and dequant is "asm" or the e4m3 route). ``fit`` turns a gemv config into a tensor-core one where gemv
@@ -57,6 +59,7 @@ class Nvfp4MatmulConfig:
   engine: str = "tensorcore"  # "tensorcore" | "gemv"
   prefetch: int = 0  # gemv: K trips whose weights are loaded ahead of the math (True = 1; see nvfp4_gemv)
   programs_per_sm: int = 2  # the automatic split's goal: this many programs per SM (``fit``)
+  ragged_split: bool = False  # tile forward: ragged K ranges (the gemv's always are)
 
   def __post_init__(self):
     if self.engine not in ENGINES:
@@ -121,9 +124,9 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
 
   block_k always divides K (the packed and scale tiles then never straddle the end of a row); rows and N
   columns beyond the array are masked in the kernels. With auto_split, the split grows until about
-  ``programs_per_sm`` programs run per SM (tile kernels: powers of two that divide the K steps; a tile forward
-  whose K steps admit no such split, e.g. 7B down_proj at 16 rows, halves block_k, down to 128, while that
-  allows a larger split). The gemv's split is any count with no empty K range (``gemv_split_trips``).
+  ``programs_per_sm`` programs run per SM: in ragged K ranges with no empty one (``split_trips``) for the gemv
+  and with ``ragged_split``, else in powers of two that divide the K steps. A forward whose K steps admit no
+  such split (e.g. 7B down_proj at 16 rows, unragged) halves block_k, down to 128, while that allows more.
   """
   if k % 16:
     raise ValueError(f"{k=} must be a multiple of 16 (the NVFP4 block)")
@@ -136,7 +139,7 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
   num_m = 1 if engine == "gemv" else -(-m // block_m)  # gemv: every row in each program
   tiles = num_m * (-(-n // block_n) if direction == "fwd" else k // block_k)
   target = cfg.programs_per_sm * num_sms
-  ragged = engine == "gemv"
+  ragged = direction == "fwd" and (engine == "gemv" or cfg.ragged_split)
   split = _split(cfg.split, tiles, k, n, block_n, block_k, direction, target, auto_split, ragged)
   # With few rows a forward is latency-bound when too few programs stream the weight. On an H200 the 7B
   # down_proj ran, at 1 row (gemv, 4aae426), 83 us unsplit (224 programs) and 64-69 us split 2-4 with shorter
@@ -160,7 +163,7 @@ def _split(split: int, tiles: int, k: int, n: int, block_n: int, block_k: int, d
   steps = k // block_k if direction == "fwd" else -(-n // block_n)
   if auto and ragged:  # the fewest ranges that reach the target once empty ones are dropped
     split = needed = -(-target // tiles)
-    while split < steps and gemv_split_trips(steps, split)[1] < needed:
+    while split < steps and split_trips(steps, split)[1] < needed:
       split += 1
   elif auto:
     split = 1
@@ -168,14 +171,14 @@ def _split(split: int, tiles: int, k: int, n: int, block_n: int, block_k: int, d
       split *= 2
   split = max(1, min(split, steps))
   if direction == "fwd" and ragged:
-    split = gemv_split_trips(steps, split)[1]
+    split = split_trips(steps, split)[1]
   elif direction == "fwd":
     while steps % split:
       split -= 1
   return split
 
 
-def gemv_split_trips(steps: int, split: int) -> tuple[int, int]:
+def split_trips(steps: int, split: int) -> tuple[int, int]:
   """(K steps per range, ranges) of a gemv split: ceil(steps / split) each, the last range the remainder.
 
   A requested split that would leave a range empty (14 steps in 6 ranges of 3) shrinks to the ranges that

@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels import nvfp4_epilogue, nvfp4_tile
-from kernels.config import GEMV_MAX_ROWS, Nvfp4MatmulConfig, gemv_split_trips
+from kernels.config import GEMV_MAX_ROWS, Nvfp4MatmulConfig
 from kernels.nvfp4_epilogue import Epilogue
 
 
@@ -46,7 +46,7 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
   x_ref f32 [M, 2, K/16, 8]; layer_ref int32 [1]; packed_ref uint8 [L*N, K/16, 8]; scale_ref e4m3
   [L*N, K/16]; gs_ref f32 [L] (rows layer*N .. layer*N + N are this weight); rest: the epilogue's refs
   (``nvfp4_epilogue``), then o_ref [M, N] (x dtype) when split == 1, else float32 partials [split, M, N].
-  steps: K trips of block_b NVFP4 blocks in all, cut into ``split`` ranges (``split_range``).
+  steps: K trips of block_b NVFP4 blocks in all, cut into ``split`` ranges (``nvfp4_tile.split_range``).
   dequant "asm" decodes with inline PTX (GPU only); any other value with the e4m3 conversion.
   prefetch: load the weights this many trips ahead (``k_loop``).
   """
@@ -54,7 +54,7 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
   layer = layer_ref[0]
   pid_n, pid_s, cols_N, col_mask, cols = program_columns(n, block_n)
   w_rows = pl.ds(layer * n + pid_n * block_n, block_n)
-  first, trips = split_range(pid_s, steps, split)
+  first, trips = nvfp4_tile.split_range(pid_s, steps, split)
 
   def blocks(i):
     return pl.ds(pl.multiple_of((first + i) * block_b, block_b), block_b)
@@ -93,18 +93,6 @@ def program_columns(n: int, block_n: int):
   pid_n, pid_s = pl.program_id(0), pl.program_id(1)
   cols_N = pid_n * block_n + jnp.arange(block_n)
   return pid_n, pid_s, cols_N, cols_N < n, pl.ds(pid_n * block_n, block_n)
-
-
-def split_range(pid_s, steps: int, split: int):
-  """(first trip, trips) of K split ``pid_s``: ranges of ceil(steps / split) trips, the last one shorter when
-  they do not divide (``config.gemv_split_trips``; a ragged split lets the split fill the GPU whatever
-  the factors of the step count, e.g. 74 steps of 7B down_proj in 5 ranges). A static trip count when even."""
-  per, ranges = gemv_split_trips(steps, split)
-  if ranges != split:
-    raise ValueError(f"a split of {steps} K steps into {split} ranges leaves one empty; use {ranges}")
-  if steps % split == 0:
-    return pid_s * per, per
-  return pid_s * per, jnp.minimum(per, steps - pid_s * per)
 
 
 def k_loop(trips, load_weights, trip, zeros: tuple, prefetch: int) -> tuple:

@@ -48,7 +48,7 @@ def logical_order(a_MxK: jax.Array, block_k: int) -> jax.Array:
 
 
 def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n: int, block_m: int,
-                            block_n: int, block_k: int, k_per_split: int, group_m: int, split: int,
+                            block_n: int, block_k: int, steps: int, group_m: int, split: int,
                             dequant: str = "jnp", epilogue: Epilogue = Epilogue()):
   """One [block_m, block_n] output tile over one contraction split.
 
@@ -56,7 +56,7 @@ def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *re
   then its odd ones: see ``halves_order``); layer_ref int32 [1]; packed_ref uint8 [L*N, K/2]; scale_ref e4m3
   [L*N, K/16]; gs_ref f32 [L] (``nvfp4_tile.layer_operands``: rows layer*N .. layer*N + N are this weight);
   rest: the epilogue's refs (``nvfp4_epilogue``), then o_ref [M, N] (x dtype) when split == 1, else float32
-  partials [split, M, N].
+  partials [split, M, N]. steps: K steps of block_k in all, in ``split`` ranges (``nvfp4_tile.split_range``).
   """
   *epi_refs, o_ref = rest
   m, _ = x_ref.shape
@@ -69,11 +69,11 @@ def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *re
   cols_N = pid_n * block_n + jnp.arange(block_n)
   row_mask = rows_M < m
   col_mask = cols_N < n
-  k_start = pid_s * k_per_split
+  first, trips = nvfp4_tile.split_range(pid_s, steps, split)
   w_rows = pl.ds(layer * n + pid_n * block_n, block_n)
 
   def body(i, acc_NxM):
-    k0 = pl.multiple_of(k_start + i * block_k, block_k)
+    k0 = pl.multiple_of((first + i) * block_k, block_k)
     p_NxKh = plgpu.load(packed_ref.at[w_rows, pl.ds(pl.multiple_of(k0 // 2, block_k // 2), block_k // 2)],
                         mask=col_mask[:, None], other=0)
     # The alignment hint lets Triton load the scales with 16-byte async copies inside its software pipeline;
@@ -94,8 +94,7 @@ def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *re
     w_NxK = nvfp4_tile.dequant_tile(p_NxKh, s_NxKb, x_MxK.dtype)
     return acc_NxM + jax.lax.dot_general(w_NxK, x_MxK, contract, preferred_element_type=jnp.float32)
 
-  acc_NxM = jax.lax.fori_loop(0, k_per_split // block_k, body,
-                              jnp.zeros((block_n, block_m), jnp.float32))
+  acc_NxM = jax.lax.fori_loop(0, trips, body, jnp.zeros((block_n, block_m), jnp.float32))
   y_MxN = acc_NxM.T * nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
   if epilogue.num_refs:
     extra = nvfp4_epilogue.term(epi_refs, epilogue, pl.ds(pid_m * block_m, block_m), row_mask,
@@ -128,13 +127,13 @@ def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb
   m, k = x_MxK.shape
   weight_operands, n = nvfp4_tile.layer_operands(packed_NxKh, scale_NxKb, global_scale, layer)
   cfg = config
-  if k % cfg.block_k or (k // cfg.block_k) % cfg.split:
+  if k % cfg.block_k or cfg.split > k // cfg.block_k:
     raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
   num_m = pl.cdiv(m, cfg.block_m)
   num_n = pl.cdiv(n, cfg.block_n)
   kernel = functools.partial(
       nvfp4_matmul_fwd_kernel, n=n, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
-      k_per_split=k // cfg.split, group_m=cfg.group_m, split=cfg.split,
+      steps=k // cfg.block_k, group_m=cfg.group_m, split=cfg.split,
       dequant=nvfp4_tile.decoder(cfg.dequant, interpret), epilogue=epi)
   # "halves": a reordered copy of x (small next to the weight it multiplies).
   x_in = halves_order(x_MxK, cfg.block_k) if cfg.dequant in HALVES_DECODERS else x_MxK

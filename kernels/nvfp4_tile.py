@@ -18,6 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels.config import split_trips
+
 # The decoded e4m3 value is E2M1 / CODE_DIVISOR.
 CODE_DIVISOR = 64.0
 
@@ -150,6 +152,18 @@ def layer_operands(packed, scale, global_scale, layer) -> tuple[list, int]:
   layer_1 = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
   return [layer_1, packed.reshape(num_layers * n, kh), scale.reshape(num_layers * n, scale.shape[-1]),
           global_scale.astype(jnp.float32).reshape(num_layers)], n
+
+
+def split_range(pid_s, steps: int, split: int):
+  """(first step, steps) of K split ``pid_s``: ranges of ceil(steps / split) K steps, the last one shorter when
+  they do not divide (``config.split_trips``; a ragged split lets the split fill the GPU whatever the factors
+  of the step count, e.g. 74 steps of 7B down_proj in 5 ranges). A static count when the split is even."""
+  per, ranges = split_trips(steps, split)
+  if ranges != split:
+    raise ValueError(f"a split of {steps} K steps into {split} ranges leaves one empty; use {ranges}")
+  if steps % split == 0:
+    return pid_s * per, per
+  return pid_s * per, jnp.minimum(per, steps - pid_s * per)
 
 
 def drop_poison_ref(kernel, *refs):

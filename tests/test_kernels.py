@@ -73,6 +73,10 @@ FWD_CASES = [
   # The "halves" decoder (x's even / odd columns meet the two nibble planes): ragged, split, fp16.
   (20, 64, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=32, split=2, dequant="halves")),
   (37, 192, 24, jnp.float16, Nvfp4MatmulConfig(block_m=32, block_n=16, block_k=64, split=3, dequant="halves")),
+  # Ragged K ranges in the tile kernel: 5 K steps as 3 + 2, and as 2 + 2 + 1 with the halves decoder.
+  (20, 160, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=32, split=2, ragged_split=True)),
+  (5, 160, 24, jnp.float16, Nvfp4MatmulConfig(block_m=16, block_n=16, block_k=32, split=3, dequant="halves",
+                                              ragged_split=True)),
   # The few-row gemv engine: one row at the smallest K, ragged N with a 3-way split, the most rows it takes.
   (1, 16, 16, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=16, engine="gemv")),
   (5, 192, 56, jnp.float16, Nvfp4MatmulConfig(block_n=32, block_k=64, split=3, engine="gemv")),
@@ -247,7 +251,7 @@ def test_configs_fit_every_shape():
           cfg = config_lib.get_config(direction, rows, k, n, kind)
           assert k % cfg.block_k == 0
           if direction == "fwd" and cfg.engine == "gemv":  # ragged: no K range may be empty
-            assert config_lib.gemv_split_trips(k // cfg.block_k, cfg.split)[1] == cfg.split
+            assert config_lib.split_trips(k // cfg.block_k, cfg.split)[1] == cfg.split
           elif direction == "fwd":
             assert (k // cfg.block_k) % cfg.split == 0
   # Few rows split the contraction so that ~2 programs per SM stream weights; decode rows take the gemv engine,
@@ -267,8 +271,14 @@ def test_few_row_forwards_shorten_k_steps_when_they_admit_no_split():
   down = config_lib.fit(gemv, "fwd", 1, 18944, 3584, auto_split=True)
   assert (down.engine, down.block_k, down.split) == ("gemv", 512, 2)
   wave = config_lib.fit(dataclasses.replace(gemv, programs_per_sm=8), "fwd", 1, 18944, 3584, auto_split=True)
-  assert (wave.block_k, wave.split) == (512, 5) and config_lib.gemv_split_trips(37, 5) == (8, 5)
-  assert config_lib.gemv_split_trips(14, 6) == (3, 5)  # 6 ranges of 3 would leave the last one empty
+  assert (wave.block_k, wave.split) == (512, 5) and config_lib.split_trips(37, 5) == (8, 5)
+  assert config_lib.split_trips(14, 6) == (3, 5)  # 6 ranges of 3 would leave the last one empty
+  # Ragged ranges for the tile kernel (opt-in): 7B down_proj at 8 rows reaches 2 programs per SM at block_k 256
+  # in 5 ranges (4 x 15 + 14 steps) where the power-of-two rule needs block_k 128 and gets 4 ranges.
+  tile8 = config_lib.get_config("fwd", 8, 18944, 3584, "NVIDIA H200")
+  ragged8 = config_lib.fit(dataclasses.replace(tile8, block_k=256, ragged_split=True, split=1), "fwd", 8, 18944,
+                           3584, auto_split=True)
+  assert (tile8.block_k, tile8.split, ragged8.block_k, ragged8.split) == (128, 4, 256, 5)
   down16 = config_lib.get_config("fwd", 16, 18944, 3584, "NVIDIA H200")
   assert (down16.engine, down16.block_k, down16.split) == ("tensorcore", 128, 4)
   gate = config_lib.fit(gemv, "fwd", 1, 3584, 18944, auto_split=True)
@@ -490,6 +500,8 @@ _LOWERING_CASES = {  # name -> (direction, config, with the epilogue)
   "fwd-tile-halves": ("fwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64, dequant="halves"), False),
   "fwd-tile-asm-epilogue": ("fwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64, split=2, dequant="asm"),
                             True),
+  "fwd-tile-asm-ragged": ("fwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=32, split=3, dequant="asm",
+                                                   ragged_split=True), False),  # 8 K steps as 3 + 3 + 2
   "fwd-gemv-jnp-epilogue": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv"), True),
   "fwd-gemv-asm-epilogue": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv", dequant="asm"), True),
   "fwd-gemv-asm-prefetch": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv", dequant="asm",
