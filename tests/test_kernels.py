@@ -313,7 +313,8 @@ def test_tuning_file_override_by_environment(tmp_path, monkeypatch):
     config_lib.get_config("fwd", 1, 3584, 3584, "Any GPU")
   # A bad file fails when read, naming itself and the entry.
   bad = {"not JSON": "{", 'an integer "max_rows"': {"entries": [{"direction": "fwd", "config": {}}]},
-         "unknown config fields ['block_nn']": {"entries": [entry, {"direction": "bwd", "max_rows": 8, "config": {"block_nn": 64}}]},
+         "unknown config fields ['block_nn']": {"entries": [entry, {"direction": "bwd", "max_rows": 8,
+                                                                    "config": {"block_nn": 64}}]},
          "block_k=24": {"entries": [{"direction": "fwd", "max_rows": 8, "config": {"block_k": 24}}]}}
   for i, (message, content) in enumerate(bad.items()):
     path = tmp_path / f"bad{i}.json"
