@@ -279,8 +279,8 @@ def main():
         with open(args.out, "a") as f:
           f.write(json.dumps(record) + "\n")
       print(f"{args.decode_layers:8s} {model:12s} {quant:8s} b{record['batch']:<3d} "
-            f"{record['tokens_per_s']:9.1f} tok/s {record['ms_per_step']:7.2f} ms/step peak {record['peak_gb']:6.1f} GB "
-            f"{flags}", flush=True)
+            f"{record['tokens_per_s']:9.1f} tok/s {record['ms_per_step']:7.2f} ms/step "
+            f"peak {record['peak_gb']:6.1f} GB {flags}", flush=True)
     if proc.wait():
       print(f"FAILED {model} {quant} {flags}:\n{proc.stderr.read()[-3000:]}", flush=True)
   print(f"\n{'model':12s} {'quant':8s} {'batch':>5s} {'tok/s':>9s} {'ms/step':>8s} {'floor':>7s} {'peak GB':>8s}"

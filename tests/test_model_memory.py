@@ -28,7 +28,8 @@ CHILD = textwrap.dedent(r"""
              "model.norm.weight": np.ones(hidden, ml_dtypes.bfloat16)}
   for i in range(layers):
     for name, shape in shapes.items():
-      tensors[f"model.layers.{i}.{name}.weight"] = (0.02 * rng.standard_normal(shape, np.float32)).astype(ml_dtypes.bfloat16)
+      w = 0.02 * rng.standard_normal(shape, np.float32)
+      tensors[f"model.layers.{i}.{name}.weight"] = w.astype(ml_dtypes.bfloat16)
     for norm in ("input_layernorm", "post_attention_layernorm"):
       tensors[f"model.layers.{i}.{norm}.weight"] = np.ones(hidden, ml_dtypes.bfloat16)
   layer_bytes = sum(2 * a * b for a, b in shapes.values())

@@ -42,7 +42,8 @@ def test_schedule_table_t600_k10():
   np.testing.assert_allclose(sigmas, want, rtol=1e-6)
   # Past the end the last stage holds; the authors' code agrees.
   for s in (600, 601, 10_000):
-    assert float(aqn.sigma(s, 600, 1e-2, 5e-4, 10)) == np.float32(5e-4) == np.float32(authors_sigma(s, 600, 1e-2, 5e-4, 10))
+    ours = float(aqn.sigma(s, 600, 1e-2, 5e-4, 10))
+    assert ours == np.float32(5e-4) == np.float32(authors_sigma(s, 600, 1e-2, 5e-4, 10))
 
 
 @pytest.mark.parametrize("total_steps,num_stages", [(100, 3), (7, 3), (1000, 7), (45, 10), (13, 5)])
