@@ -179,7 +179,7 @@ def _split(split: int, tiles: int, k: int, n: int, block_n: int, block_k: int, d
 
 
 def split_trips(steps: int, split: int) -> tuple[int, int]:
-  """(K steps per range, ranges) of a gemv split: ceil(steps / split) each, the last range the remainder.
+  """(K steps per range, ranges) of a ragged forward split: ceil(steps / split) each, the last the remainder.
 
   A requested split that would leave a range empty (14 steps in 6 ranges of 3) shrinks to the ranges that
   have steps (5)."""
