@@ -52,7 +52,10 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
   """
   *epi_refs, o_ref = rest
   layer = layer_ref[0]
-  pid_n, pid_s, cols_N, col_mask, cols = program_columns(n, block_n)
+  pid_n, pid_s = pl.program_id(0), pl.program_id(1)
+  cols_N = pid_n * block_n + jnp.arange(block_n)
+  col_mask = cols_N < n
+  cols = pl.ds(pid_n * block_n, block_n)
   w_rows = pl.ds(layer * n + pid_n * block_n, block_n)
   first, trips = nvfp4_tile.split_range(pid_s, steps, split)
 
@@ -85,14 +88,16 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
   zeros = tuple(jnp.zeros((block_n, block_b), jnp.float32) for _ in range(rows))
   accs = k_loop(trips, load_weights, trip, zeros, prefetch)
   multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
-  store_rows(accs, multiplier, o_ref, epi_refs, epilogue, split=split, pid_s=pid_s, cols=cols, col_mask=col_mask)
-
-
-def program_columns(n: int, block_n: int):
-  """This program's (column block, K split, its columns [block_n], their mask (< n), their slice)."""
-  pid_n, pid_s = pl.program_id(0), pl.program_id(1)
-  cols_N = pid_n * block_n + jnp.arange(block_n)
-  return pid_n, pid_s, cols_N, cols_N < n, pl.ds(pid_n * block_n, block_n)
+  for r, acc in enumerate(accs):
+    y_N = jnp.sum(acc, axis=-1) * multiplier
+    row = jnp.int32(r)  # Pallas indexes refs with traced ints, not Python ones
+    if epilogue.num_refs:
+      extra = nvfp4_epilogue.term(epi_refs, epilogue, pl.ds(row, 1), None, cols, col_mask).reshape(y_N.shape)
+      y_N = y_N + (extra if split == 1 else jnp.where(pid_s == 0, extra, 0.0))
+    if split == 1:
+      plgpu.store(o_ref.at[row, cols], y_N.astype(o_ref.dtype), mask=col_mask)
+    else:
+      plgpu.store(o_ref.at[pid_s, row, cols], y_N, mask=col_mask)
 
 
 def k_loop(trips, load_weights, trip, zeros: tuple, prefetch: int) -> tuple:
@@ -116,29 +121,6 @@ def k_loop(trips, load_weights, trip, zeros: tuple, prefetch: int) -> tuple:
   return accs
 
 
-def store_rows(accs: tuple, multiplier, o_ref, epi_refs, epilogue: Epilogue, *, split: int, pid_s, cols,
-               col_mask) -> None:
-  """Each row's accumulator [block_n, ...] summed over its last axis, times ``multiplier``, plus the epilogue
-  (once, by the first split), stored to o_ref [M, N] (split == 1) or the float32 partials [split, M, N]."""
-  for r, acc in enumerate(accs):
-    y_N = jnp.sum(acc, axis=-1) * multiplier
-    row = jnp.int32(r)  # Pallas indexes refs with traced ints, not Python ones
-    if epilogue.num_refs:
-      extra = nvfp4_epilogue.term(epi_refs, epilogue, pl.ds(row, 1), None, cols, col_mask).reshape(y_N.shape)
-      y_N = y_N + (extra if split == 1 else jnp.where(pid_s == 0, extra, 0.0))
-    if split == 1:
-      plgpu.store(o_ref.at[row, cols], y_N.astype(o_ref.dtype), mask=col_mask)
-    else:
-      plgpu.store(o_ref.at[pid_s, row, cols], y_N, mask=col_mask)
-
-
-def check_launch(m: int, k: int, cfg: Nvfp4MatmulConfig) -> None:
-  if m > GEMV_MAX_ROWS:
-    raise ValueError(f"the gemv kernel takes at most {GEMV_MAX_ROWS} rows, got {m}")
-  if k % cfg.block_k or cfg.split > k // cfg.block_k:
-    raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
-
-
 def nvfp4_gemv_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array, global_scale: jax.Array,
                       *, config: Nvfp4MatmulConfig, interpret: bool = False, poison: bool = False,
                       layer=None, epilogue=([], Epilogue())) -> jax.Array:
@@ -151,7 +133,10 @@ def nvfp4_gemv_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.
   m, k = x_MxK.shape
   (layer_1, packed, scale, gs), n = nvfp4_tile.layer_operands(packed_NxKh, scale_NxKb, global_scale, layer)
   cfg = config
-  check_launch(m, k, cfg)
+  if m > GEMV_MAX_ROWS:
+    raise ValueError(f"the gemv kernel takes at most {GEMV_MAX_ROWS} rows, got {m}")
+  if k % cfg.block_k or cfg.split > k // cfg.block_k:
+    raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
   kb = k // 16
   kernel = functools.partial(nvfp4_gemv_kernel, n=n, rows=m, block_n=cfg.block_n, block_b=cfg.block_k // 16,
                              steps=k // cfg.block_k, split=cfg.split,
