@@ -41,7 +41,7 @@ class Nvfp4MatmulConfig:
   a gemv program is small (4 warps, ~56 registers: 9 fit on an H200 SM), so it may aim for a full wave.
   ragged_split: a tile forward's K ranges may be ragged (the last one shorter), so its automatic split can
   reach ``programs_per_sm`` whatever the factors of the K steps; off, it is a power of two that divides them.
-  The gemv's ranges are always ragged.
+  The ragged plan is kept only where it gives more programs than the even one. The gemv's are always ragged.
   engine: "tensorcore" (the tile kernels above) or "gemv" (forward only, at most GEMV_MAX_ROWS rows: each
   decoded weight meets its x element in a float32 multiply-add on the CUDA cores; block_m is unused there
   and dequant is "asm" or the e4m3 route). ``fit`` turns a gemv config into a tensor-core one where gemv
@@ -133,13 +133,31 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
   engine = cfg.engine
   if engine == "gemv" and (direction != "fwd" or m > GEMV_MAX_ROWS):
     engine = "tensorcore"
-  block_k = _largest_pow2_divisor_block(k, cfg.block_k)
+  block_k = block_k_max = _largest_pow2_divisor_block(k, cfg.block_k)
   block_m = max(16, min(cfg.block_m, _pow2_at_most(2 * m - 1) if m > 1 else 16))
   block_n = max(16, min(cfg.block_n, _pow2_at_most(2 * n - 1) if n > 1 else 16))
   num_m = 1 if engine == "gemv" else -(-m // block_m)  # gemv: every row in each program
   tiles = num_m * (-(-n // block_n) if direction == "fwd" else k // block_k)
   target = cfg.programs_per_sm * num_sms
   ragged = direction == "fwd" and (engine == "gemv" or cfg.ragged_split)
+  block_k, split = _plan_split(cfg, tiles, k, n, block_n, block_k, direction, target, auto_split, ragged)
+  if ragged and auto_split and engine != "gemv":
+    # A tile split ragged into fewer programs than the even one lost on an H200 (7B o_proj, 8 rows, e0f3129:
+    # 7 even ranges 8.3 us per call, 5 ragged 9.6 us); into more it won (down_proj: 4 even ranges of block_k
+    # 128, 43.1 us, against 5 ragged of 256, 35.8 us). So the ragged plan is taken only when it has more.
+    even = _plan_split(cfg, tiles, k, n, block_n, block_k_max, direction, target, auto_split, False)
+    if even[1] >= split:
+      block_k, split = even
+  # "halves" contracts block_k / 2 columns per dot, and Triton's dots need at least 16.
+  dequant = "jnp" if cfg.dequant in HALVES_DECODERS and block_k < 32 else cfg.dequant
+  return dataclasses.replace(cfg, block_m=block_m, block_n=block_n, block_k=block_k, split=split,
+                             dequant=dequant, engine=engine)
+
+
+def _plan_split(cfg: Nvfp4MatmulConfig, tiles: int, k: int, n: int, block_n: int, block_k: int, direction: str,
+                target: int, auto_split: bool, ragged: bool) -> tuple[int, int]:
+  """(block_k, split) for `fit`: the split for ``block_k``, then, for a few-row forward short of the target,
+  shorter K steps while they allow a larger split."""
   split = _split(cfg.split, tiles, k, n, block_n, block_k, direction, target, auto_split, ragged)
   # With few rows a forward is latency-bound when too few programs stream the weight. On an H200 the 7B
   # down_proj ran, at 1 row (gemv, 4aae426), 83 us unsplit (224 programs) and 64-69 us split 2-4 with shorter
@@ -149,10 +167,7 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
     if finer <= split:  # shorter steps alone buy nothing
       break
     block_k, split = block_k // 2, finer
-  # "halves" contracts block_k / 2 columns per dot, and Triton's dots need at least 16.
-  dequant = "jnp" if cfg.dequant in HALVES_DECODERS and block_k < 32 else cfg.dequant
-  return dataclasses.replace(cfg, block_m=block_m, block_n=block_n, block_k=block_k, split=split,
-                             dequant=dequant, engine=engine)
+  return block_k, split
 
 
 def _split(split: int, tiles: int, k: int, n: int, block_n: int, block_k: int, direction: str, target: int,

@@ -250,7 +250,7 @@ def test_configs_fit_every_shape():
         for k, n in shapes:
           cfg = config_lib.get_config(direction, rows, k, n, kind)
           assert k % cfg.block_k == 0
-          if direction == "fwd" and cfg.engine == "gemv":  # ragged: no K range may be empty
+          if direction == "fwd" and (cfg.engine == "gemv" or cfg.ragged_split):  # ragged: no K range empty
             assert config_lib.split_trips(k // cfg.block_k, cfg.split)[1] == cfg.split
           elif direction == "fwd":
             assert (k // cfg.block_k) % cfg.split == 0
@@ -263,8 +263,8 @@ def test_configs_fit_every_shape():
 
 
 def test_few_row_forwards_shorten_k_steps_when_they_admit_no_split():
-  # 7B down_proj at 16 rows: 18944 / 256 = 74 steps admit no split of 4 for the tile kernel's 56 column blocks,
-  # so it gets block_k 128 and a split of 4 instead of 256 and 2. The gemv's split may be ragged: at 1 row
+  # 7B down_proj at 16 rows: 18944 / 256 = 74 steps admit no even split of 4 for the tile kernel's 56 column
+  # blocks, so unragged it gets block_k 128 and a split of 4 instead of 256 and 2. The gemv's split may be ragged: at 1 row
   # its 224 column blocks of 16 take 37 steps of 512 in 2 ranges (19 + 18) for 2 programs per SM, or in 5
   # ranges of 8 (the last 5) for 8 per SM, and keep block_k. A shape whose split is already full keeps block_k.
   gemv = Nvfp4MatmulConfig(block_n=16, block_k=512, engine="gemv")
@@ -273,14 +273,21 @@ def test_few_row_forwards_shorten_k_steps_when_they_admit_no_split():
   wave = config_lib.fit(dataclasses.replace(gemv, programs_per_sm=8), "fwd", 1, 18944, 3584, auto_split=True)
   assert (wave.block_k, wave.split) == (512, 5) and config_lib.split_trips(37, 5) == (8, 5)
   assert config_lib.split_trips(14, 6) == (3, 5)  # 6 ranges of 3 would leave the last one empty
-  # Ragged ranges for the tile kernel (opt-in): 7B down_proj at 8 rows reaches 2 programs per SM at block_k 256
-  # in 5 ranges (4 x 15 + 14 steps) where the power-of-two rule needs block_k 128 and gets 4 ranges.
+  # Ragged ranges for the tile kernel (``ragged_split``, on in the H200 file up to 64 rows): 7B down_proj at 8 rows
+  # reaches 2 programs per SM at block_k 256 in 5 ranges (4 x 15 + 14 steps) where the power-of-two rule needs
+  # block_k 128 and gets 4 ranges. A ragged plan with fewer programs than the even one is not taken: o_proj's 14
+  # steps keep 7 even ranges (392 programs) rather than 5 ragged ones (280); k_proj's 112 go to 224.
   tile8 = config_lib.get_config("fwd", 8, 18944, 3584, "NVIDIA H200")
-  ragged8 = config_lib.fit(dataclasses.replace(tile8, block_k=256, ragged_split=True, split=1), "fwd", 8, 18944,
-                           3584, auto_split=True)
-  assert (tile8.block_k, tile8.split, ragged8.block_k, ragged8.split) == (128, 4, 256, 5)
+  even8 = config_lib.fit(dataclasses.replace(tile8, block_k=256, ragged_split=False, split=1), "fwd", 8, 18944,
+                         3584, auto_split=True)
+  assert (tile8.block_k, tile8.split, even8.block_k, even8.split) == (256, 5, 128, 4) and tile8.ragged_split
+  o8 = config_lib.get_config("fwd", 8, 3584, 3584, "NVIDIA H200")
+  k8 = config_lib.get_config("fwd", 8, 3584, 512, "NVIDIA H200")
+  assert (o8.block_k, o8.split, k8.block_k, k8.split) == (256, 7, 128, 28)
+  even_k8 = config_lib.fit(dataclasses.replace(k8, ragged_split=False, split=1), "fwd", 8, 3584, 512, auto_split=True)
+  assert even_k8.split == 14
   down16 = config_lib.get_config("fwd", 16, 18944, 3584, "NVIDIA H200")
-  assert (down16.engine, down16.block_k, down16.split) == ("tensorcore", 128, 4)
+  assert (down16.engine, down16.block_k, down16.split) == ("tensorcore", 256, 5)
   gate = config_lib.fit(gemv, "fwd", 1, 3584, 18944, auto_split=True)
   assert (gate.block_k, gate.split) == (512, 1)  # 1184 column blocks: enough programs unsplit
   k_proj = config_lib.get_config("fwd", 1, 3584, 512, "NVIDIA H200")
