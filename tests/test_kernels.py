@@ -273,7 +273,7 @@ def test_few_row_forwards_shorten_k_steps_when_they_admit_no_split():
   wave = config_lib.fit(dataclasses.replace(gemv, programs_per_sm=8), "fwd", 1, 18944, 3584, auto_split=True)
   assert (wave.block_k, wave.split) == (512, 5) and config_lib.split_trips(37, 5) == (8, 5)
   assert config_lib.split_trips(14, 6) == (3, 5)  # 6 ranges of 3 would leave the last one empty
-  # Ragged ranges for the tile kernel (``ragged_split``, on in the H200 file up to 64 rows): 7B down_proj at 8 rows
+  # Ragged ranges for the tile kernel (``ragged_split``, on in the H200 file up to 16 rows): 7B down_proj at 8 rows
   # reaches 2 programs per SM at block_k 256 in 5 ranges (4 x 15 + 14 steps) where the power-of-two rule needs
   # block_k 128 and gets 4 ranges. A ragged plan with fewer programs than the even one is not taken: o_proj's 14
   # steps keep 7 even ranges (392 programs) rather than 5 ragged ones (280); k_proj's 112 go to 224.
