@@ -17,7 +17,6 @@ runs (every kernel the op launches, e.g. a split's partial sums, and the loop's 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import itertools
 import json
@@ -27,6 +26,7 @@ import shutil
 import sys
 import tempfile
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -119,6 +119,7 @@ class Timing:
   us: float  # median wall microseconds per op call
   module: str  # with --trace: the HLO module name of one more run, which a profiler trace files kernels under
   calls: int  # op calls in that run, to turn its kernel time into a per-call one
+  replay: Any = dataclasses.field(default=None, compare=False)  # with --trace: that run, compiled, to call traced
 
 
 def _time_loop(op, x, ws, min_ms: float = 5.0, reps: int = 5) -> Timing:
@@ -155,10 +156,11 @@ def _time_loop(op, x, ws, min_ms: float = 5.0, reps: int = 5) -> Timing:
   if not _TRACE:
     return Timing(us, "", 0)
   # One more run under a name of its own, so a trace holds exactly its kernels (its compile reuses the first
-  # one's autotuning, so no autotuning kernels land under that name).
+  # one's autotuning, so no autotuning kernels land under that name). Compiled here, run later inside a trace
+  # that holds only these runs (`_run_case`).
   name = f"bench_{next(_TAGS)}"
-  jax.block_until_ready(program(name)(x, ws, passes, zero))
-  return Timing(us, f"jit_{name}", passes * len(ws))
+  compiled = program(name).lower(x, ws, passes, zero).compile()
+  return Timing(us, f"jit_{name}", passes * len(ws), lambda: jax.block_until_ready(compiled(x, ws, passes, zero)))
 
 
 def _random_weights(key, k, n, copies):
@@ -377,27 +379,32 @@ def _rank_us(r) -> float:
 
 
 def _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag) -> list:
-  """Times every candidate (and with --xla the XLA path) on one case; with --trace inside one profiler trace,
-  whose kernel time per program becomes each record's device_us."""
-  trace_dir = tempfile.mkdtemp(prefix="bench_kernels_trace_") if args.trace else None
-  if trace_dir:
-    bf16_cache = {}  # the bf16 dot must run inside this case's trace too
+  """Times every candidate (and with --xla the XLA path) on one case; with --trace, each timed program then
+  runs once more inside one profiler trace, whose kernel time per program becomes each record's device_us."""
+  if args.trace:
+    bf16_cache = {}  # the bf16 dot's traced run belongs to this case
   case = []
-  with jax.profiler.trace(trace_dir, create_perfetto_trace=True) if trace_dir else contextlib.nullcontext():
-    for cfg in cands:
-      try:
-        rec = bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw)
-      except Exception as e:  # keep going: one bad candidate must not lose the run
-        print(f"FAILED {tag['shape']} {direction} rows={rows} {cfg}: {type(e).__name__}: {str(e)[:400]}",
-              flush=True)
-        continue
-      case.append(dict(rec, **tag, implementation="pallas", sweep="gemv" if args.gemv else bool(args.sweep)))
-    if args.xla:
-      case.append(dict(bench_xla(direction, k, n, rows, key, bf16_cache, bw), **tag, implementation="xla",
-                       sweep="xla"))
+  for cfg in cands:
+    try:
+      rec = bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw)
+    except Exception as e:  # keep going: one bad candidate must not lose the run
+      print(f"FAILED {tag['shape']} {direction} rows={rows} {cfg}: {type(e).__name__}: {str(e)[:400]}",
+            flush=True)
+      continue
+    case.append(dict(rec, **tag, implementation="pallas", sweep="gemv" if args.gemv else bool(args.sweep)))
+  if args.xla:
+    case.append(dict(bench_xla(direction, k, n, rows, key, bf16_cache, bw), **tag, implementation="xla",
+                     sweep="xla"))
   module_us = {}
-  if trace_dir:
-    from experiments.profile_decode import module_kernel_us  # pylint: disable=import-outside-toplevel
+  if args.trace:
+    from experiments.profile_decode import module_kernel_us, quiet_trace  # pylint: disable=import-outside-toplevel
+    programs = {t.module: t for r in case for t in r["_programs"] if t is not None and t.replay is not None}
+    trace_dir = tempfile.mkdtemp(prefix="bench_kernels_trace_")
+    # Only the replays run under the profiler: at e0f3129, tracing each case's compiles and timing loops too
+    # (with the Python tracer on) took ~50 s per case on an H200.
+    with quiet_trace(trace_dir):
+      for t in programs.values():
+        t.replay()
     module_us = module_kernel_us(trace_dir) if _has_trace(trace_dir) else {}
     shutil.rmtree(trace_dir, ignore_errors=True)
   add_device_us(case, module_us, bw)

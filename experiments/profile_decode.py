@@ -61,6 +61,15 @@ def kernel_totals(trace_dir: str) -> tuple[dict[str, float], dict[str, float], f
   return dict(totals), dict(busy), (hi - lo if hi else 0.0), details
 
 
+def quiet_trace(trace_dir: str):
+  """`jax.profiler.trace` to a perfetto file without the Python tracer (a record of every Python call; the
+  GPU kernels and their HLO module names are all this project reads from a trace)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 0
+  return jax.profiler.trace(trace_dir, create_perfetto_trace=True, profiler_options=options)
+
+
 def module_kernel_us(trace_dir: str) -> dict[str, float]:
   """{HLO module (a jitted function's program, e.g. "jit_bench_3"): total GPU kernel us on the stream lines}."""
   events, procs, threads = _load_trace(trace_dir)
@@ -158,7 +167,7 @@ def run(args):
           times.append(time.perf_counter() - t0)
         ms_step = statistics.median(times) / args.steps * 1e3
         with tempfile.TemporaryDirectory() as d:
-          with jax.profiler.trace(d, create_perfetto_trace=True):
+          with quiet_trace(d):
             jax.block_until_ready(go(99))
           totals, busy, span, details = kernel_totals(d)
         kernel_ms = sum(totals.values()) / 1e3 / args.steps
