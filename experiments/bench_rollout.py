@@ -120,7 +120,7 @@ def run_one(args):
   from qerl_jax.quant.types import nbytes
 
   config = model_config(args.model).replace(decode_attention=args.decode_attention, decode_layers=args.decode_layers,
-                                            fused_lora=args.fused_lora)
+                                            fused_lora=args.fused_lora, gemv_lora_xa=args.gemv_lora_xa)
   base = synthetic_base(config, args.quant)
   lora = LoraConfig(rank=16, alpha=16, dtype=jnp.bfloat16)
   model = Transformer(config, base, lora=lora, rngs=nnx.Rngs(0))
@@ -168,6 +168,7 @@ def _time_rollout(args, config, graphdef, state, weight_bytes, bw, batch):
               floor_ms_per_step=floor_ms, copy_gbps=bw / 1e9, lora_rank=16, reps=args.reps,
               device=jax.devices()[0].device_kind, jax=jax.__version__,
               decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora,
+              gemv_lora_xa=args.gemv_lora_xa,
               xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
@@ -238,6 +239,8 @@ def main():
                  help="the rollout's layer loop (ModelConfig.decode_layers): per-layer buffers or the stacked scan")
   p.add_argument("--fused-lora", action="store_true",
                  help="NVFP4: bias and LoRA product in the matmul kernel's epilogue (ModelConfig.fused_lora)")
+  p.add_argument("--gemv-lora-xa", action="store_true",
+                 help="NVFP4: x @ A in the gemv's launch at decode rows (ModelConfig.gemv_lora_xa)")
   p.add_argument("--xla-flag-sets", default="", metavar="SETS",
                  help="'|'-separated sets of XLA flags, one run of everything per set, each added to XLA_FLAGS "
                       "and recorded as xla_flags; e.g. '|--xla_gpu_enable_command_buffer=FUSION,CUBLAS,WHILE' "
@@ -266,7 +269,7 @@ def main():
            "--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len), "--new-tokens",
            str(args.new_tokens), "--reps", str(args.reps),
            "--decode-attention", args.decode_attention, "--decode-layers", args.decode_layers,
-           *(["--fused-lora"] if args.fused_lora else [])]
+           *(["--fused-lora"] if args.fused_lora else []), *(["--gemv-lora-xa"] if args.gemv_lora_xa else [])]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:  # records arrive as each batch finishes, so a time-out keeps what ran
       if not line.startswith("RECORD "):

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments.bench_kernels import MODELS
-from kernels import config as config_lib
+from kernels import config as config_lib, nvfp4_gemv
 from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
 from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
 
@@ -54,14 +54,19 @@ _CLASSES = {
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([.\w]*)")
 
 
-def triton_ir(direction: str, rows: int, k: int, n: int, cfg: config_lib.Nvfp4MatmulConfig) -> str:
-  """The kernel's Triton IR as text Triton's own parser reads (jax's debug print, locations stripped)."""
+def triton_ir(direction: str, rows: int, k: int, n: int, cfg: config_lib.Nvfp4MatmulConfig, xa_rank: int = 0) -> str:
+  """The kernel's Triton IR as text Triton's own parser reads (jax's debug print, locations stripped).
+  xa_rank: the gemv launch that also computes x @ A for a float32 adapter of this rank."""
   from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
 
   packed = jax.ShapeDtypeStruct((n, k // 2), jnp.uint8)
   scale = jax.ShapeDtypeStruct((n, k // 16), jnp.float8_e4m3fn)
   gs = jax.ShapeDtypeStruct((), jnp.float32)
-  if direction == "fwd":
+  if direction == "fwd" and xa_rank:
+    adapter = jnp.zeros((k, xa_rank), jnp.float32)
+    f = lambda a, p, s, g: nvfp4_gemv.nvfp4_gemv_xa_pallas(a, p, s, g, adapter, config=cfg)
+    a = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
+  elif direction == "fwd":
     f = lambda a, p, s, g: nvfp4_matmul_fwd_pallas(a, p, s, g, config=cfg)
     a = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
   else:
@@ -150,6 +155,8 @@ def main(argv=None):
   p.add_argument("--ragged", action="store_true",
                  help="tile forward: re-split automatically in ragged K ranges (Nvfp4MatmulConfig.ragged_split; "
                       "with --block, from its block_k)")
+  p.add_argument("--lora-xa", type=int, default=0, metavar="RANK",
+                 help="gemv: the launch that also computes x @ A for an adapter of this rank (nvfp4_matmul_xa)")
   p.add_argument("--out", default="/tmp/kernel_sass")
   args = p.parse_args(argv)
 
@@ -170,7 +177,7 @@ def main(argv=None):
   os.makedirs(args.out, exist_ok=True)
   base = os.path.join(args.out, f"{args.shape}.{args.direction}.{args.rows}")
   with open(base + ".ttir", "w") as f:
-    f.write(triton_ir(args.direction, args.rows, k, n, cfg))
+    f.write(triton_ir(args.direction, args.rows, k, n, cfg, args.lora_xa))
   out = compile_sm90(base + ".ttir", cfg.num_warps, cfg.num_stages)
   for ext in ("ttgir", "ptx", "sass"):
     with open(f"{base}.{ext}", "w") as f:

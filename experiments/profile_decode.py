@@ -149,7 +149,7 @@ def run(args):
                 for f in (args.lora_epilogue if quant == "nvfp4" else ["xla"])]  # bf16 has no kernel epilogue
     for attention, layers, epilogue in variants:
       config = model_config(args.model).replace(decode_attention=attention, decode_layers=layers,
-                                                fused_lora=epilogue == "fused")
+                                                fused_lora=epilogue == "fused", gemv_lora_xa=epilogue == "gemv-xa")
       model = Transformer(config, base, lora=LoraConfig(rank=16, alpha=16, dtype=jnp.bfloat16), rngs=nnx.Rngs(0))
       gs = nnx.split(model)
       decode = decode_program(SamplingParams(temperature=1.0))
@@ -172,7 +172,7 @@ def run(args):
           totals, busy, span, details = kernel_totals(d)
         kernel_ms = sum(totals.values()) / 1e3 / args.steps
         rec = dict(model=args.model, quant=quant, batch=batch, decode_attention=attention, decode_layers=layers,
-                   fused_lora=config.fused_lora,
+                   fused_lora=config.fused_lora, gemv_lora_xa=config.gemv_lora_xa,
                    steps=args.steps,
                    cache_len=args.cache_len, start=args.start, ms_per_step=ms_step, kernel_ms_per_step=kernel_ms,
                    span_ms_per_step=span / 1e3 / args.steps,
@@ -203,8 +203,9 @@ def main():
   p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
   p.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["xla", "pallas", "auto"])
   p.add_argument("--decode-layers", nargs="+", default=["unrolled"], choices=["unrolled", "scan"])
-  p.add_argument("--lora-epilogue", nargs="+", choices=["xla", "fused"], default=["xla"],
-                 help="NVFP4: bias and LoRA added by XLA after the matmul, or fused into the kernels' epilogue")
+  p.add_argument("--lora-epilogue", nargs="+", choices=["xla", "fused", "gemv-xa"], default=["xla"],
+                 help="NVFP4: bias and LoRA added by XLA after the matmul, fused into the kernels' epilogue, or "
+                      "(gemv-xa) x @ A computed in the gemv's launch at decode rows (ModelConfig.gemv_lora_xa)")
   p.add_argument("--cache-len", type=int, default=1280)
   p.add_argument("--start", type=int, default=768, help="first cache slot written (mid-rollout)")
   p.add_argument("--steps", type=int, default=16)
@@ -218,10 +219,10 @@ def main():
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(records, f)
-  print(f"\n{'quant':6s} {'batch':>5s} {'attn':6s} {'layers':8s} {'lora':5s} {'wall ms':>8s} {'kernel ms':>9s}")
+  print(f"\n{'quant':6s} {'batch':>5s} {'attn':6s} {'layers':8s} {'lora':7s} {'wall ms':>8s} {'kernel ms':>9s}")
   for r in records:
     print(f"{r['quant']:6s} {r['batch']:5d} {r['decode_attention']:6s} {r['decode_layers']:8s} "
-          f"{'fused' if r['fused_lora'] else 'xla':5s} "
+          f"{'fused' if r['fused_lora'] else 'gemv-xa' if r.get('gemv_lora_xa') else 'xla':7s} "
           f"{r['ms_per_step']:8.2f} {r['kernel_ms_per_step']:9.2f}")
 
 

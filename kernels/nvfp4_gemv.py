@@ -20,6 +20,7 @@ NVFP4 block, multiplied by that block's scale) and reduces it once at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -40,7 +41,7 @@ def gemv_x_layout(x_MxK: jax.Array) -> jax.Array:
 
 def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n: int, rows: int, block_n: int,
                       block_b: int, steps: int, split: int, dequant: str = "jnp",
-                      epilogue: Epilogue = Epilogue(), prefetch: int = 0):
+                      epilogue: Epilogue = Epilogue(), prefetch: int = 0, xa: XaPlan | None = None):
   """One block_n slice of y for every row, over one split of the K blocks.
 
   x_ref f32 [M, 2, K/16, 8]; layer_ref int32 [1]; packed_ref uint8 [L*N, K/16, 8]; scale_ref e4m3
@@ -49,10 +50,73 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
   steps: K trips of block_b NVFP4 blocks in all, cut into ``split`` ranges (``nvfp4_tile.split_range``).
   dequant "asm" decodes with inline PTX (GPU only); any other value with the e4m3 conversion.
   prefetch: load the weights this many trips ahead (``k_loop``).
+  xa: also x @ A for a LoRA adapter (``XaPlan``): rest is then (*epilogue refs, a_ref, o_ref, xa_ref), and the
+  first ``xa.columns`` columns of the grid compute it (``_lora_xa_partials``) while the others do the above.
   """
-  *epi_refs, o_ref = rest
-  layer = layer_ref[0]
+  # Program ids are read here, not inside the branches below: interpret mode does not resolve them there.
   pid_n, pid_s = pl.program_id(0), pl.program_id(1)
+  if xa is None:
+    *epi_refs, o_ref = rest
+    _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_n, pid_s, n=n,
+                  rows=rows, block_n=block_n, block_b=block_b, steps=steps, split=split, dequant=dequant,
+                  epilogue=epilogue, prefetch=prefetch)
+    return
+  *epi_refs, a_ref, o_ref, xa_ref = rest
+
+  @pl.when(pid_n < xa.columns)
+  def _():
+    _lora_xa_partials(x_ref, a_ref, xa_ref, pid_n * split + pid_s, rows=rows, plan=xa)
+
+  @pl.when(pid_n >= xa.columns)
+  def _():
+    _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_n - xa.columns, pid_s, n=n,
+                  rows=rows, block_n=block_n, block_b=block_b, steps=steps, split=split, dequant=dequant,
+                  epilogue=epilogue, prefetch=prefetch)
+
+
+@dataclasses.dataclass(frozen=True)
+class XaPlan:
+  """How a gemv launch also computes x @ A [K, r]: ``columns`` extra grid columns (times the split: that many
+  programs) each sum ``per`` trips of ``block_b`` NVFP4 blocks (16 rows of A each) into float32 partials
+  [programs, M, r], added outside (``nvfp4_gemv_xa_pallas``)."""
+
+  columns: int
+  programs: int
+  block_b: int
+  steps: int  # trips of block_b blocks over all of K
+  per: int  # trips per program (the last ones may have fewer, or none)
+  rank: int
+
+
+def _lora_xa_partials(x_ref, a_ref, xa_ref, program, *, rows: int, plan: XaPlan):
+  """Program ``program``'s share of x @ A: trips [program * per, ...) of A viewed as [K/16, 8, 2r], whose row
+  (b, j) holds A's rows 16b + 2j (columns :r) and 16b + 2j + 1 (columns r:), the two x planes' rows."""
+  r, bb = plan.rank, plan.block_b
+  first = program * plan.per
+  trips = jnp.clip(plan.steps - first, 0, plan.per)
+
+  def trip(i, accs):
+    blocks = pl.ds(pl.multiple_of((first + i) * bb, bb), bb)
+    a_even_Bx8xR = a_ref[blocks, :, pl.ds(0, r)].astype(jnp.float32)
+    a_odd_Bx8xR = a_ref[blocks, :, pl.ds(r, r)].astype(jnp.float32)
+    out = []
+    for row in range(rows):
+      xe_Bx8 = x_ref[jnp.int32(row), 0, blocks, :]
+      xo_Bx8 = x_ref[jnp.int32(row), 1, blocks, :]
+      prod_Bx8xR = xe_Bx8[:, :, None] * a_even_Bx8xR + xo_Bx8[:, :, None] * a_odd_Bx8xR
+      out.append(accs[row] + jnp.sum(jnp.sum(prod_Bx8xR, axis=1), axis=0))
+    return tuple(out)
+
+  accs = jax.lax.fori_loop(0, trips, trip, tuple(jnp.zeros((r,), jnp.float32) for _ in range(rows)))
+  for row, acc in enumerate(accs):
+    plgpu.store(xa_ref.at[program, jnp.int32(row), :], acc)
+
+
+def _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_n, pid_s, *, n: int,
+                  rows: int, block_n: int, block_b: int, steps: int, split: int, dequant: str, epilogue: Epilogue,
+                  prefetch: int):
+  """Column block ``pid_n`` of y over K split ``pid_s`` (``nvfp4_gemv_kernel``'s main work)."""
+  layer = layer_ref[0]
   cols_N = pid_n * block_n + jnp.arange(block_n)
   col_mask = cols_N < n
   cols = pl.ds(pid_n * block_n, block_n)
@@ -146,3 +210,74 @@ def nvfp4_gemv_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.
   return nvfp4_tile.launch(kernel, operands, rows=m, cols=n, split=cfg.split, dtype=x_MxK.dtype,
                            grid=(pl.cdiv(n, cfg.block_n), cfg.split), num_warps=cfg.num_warps,
                            num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_gemv")
+
+
+# Bytes of A each x @ A program reads: ~32 KB keeps each one well under the gemv's own per-program time (a 7B
+# rank-16 adapter in float32 is 229 KB at K = 3584: 7 programs; 1.2 MB at K = 18944: 37).
+_XA_BYTES_PER_PROGRAM = 32 * 1024
+
+
+def xa_plan(k: int, rank: int, itemsize: int, split: int) -> XaPlan:
+  """The x @ A work of a gemv launch with K split ``split`` ways (``XaPlan``)."""
+  if rank & (rank - 1) or not 0 < rank <= 256:
+    raise ValueError(f"x @ A in the gemv needs a power-of-two LoRA rank up to 256, got {rank}")
+  kb = k // 16
+  block_b = next(b for b in (8, 4, 2, 1) if kb % b == 0)
+  steps = kb // block_b
+  want = min(steps, -(-k * rank * itemsize // _XA_BYTES_PER_PROGRAM))
+  columns = -(-want // split)
+  programs = columns * split
+  return XaPlan(columns=columns, programs=programs, block_b=block_b, steps=steps, per=-(-steps // programs),
+                rank=rank)
+
+
+def nvfp4_gemv_xa_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array, global_scale: jax.Array,
+                         a_KxR: jax.Array, *, config: Nvfp4MatmulConfig, interpret: bool = False,
+                         poison: bool = False, layer=None) -> tuple[jax.Array, jax.Array]:
+  """(y [M, N] in x's dtype, x @ A [M, r] in float32) from one launch of the few-row kernel.
+
+  A LoRA adapter's x @ A at a decode step is a few hundred KB of A against one x row. On its own XLA runs it
+  as two small kernels (a product and a column reduction, `qerl_jax.model.linear.lora_xa`: ~21 us per 7B
+  layer on an H200 at 4a2b5e4, 12% of a batch-1 step); here extra programs of the gemv's grid read A while
+  the others stream the weight, and only their float32 partial sums [programs, M, r] are added by XLA.
+  x @ A is in float32 from A's values (PEFT casts x to A's dtype: bf16 x is exact in float32 either way).
+  """
+  m, k = x_MxK.shape
+  (layer_1, packed, scale, gs), n = nvfp4_tile.layer_operands(packed_NxKh, scale_NxKb, global_scale, layer)
+  cfg = config
+  if m > GEMV_MAX_ROWS or cfg.engine != "gemv":
+    raise ValueError(f"x @ A rides in the gemv engine only (at most {GEMV_MAX_ROWS} rows), got {m} rows, {cfg}")
+  if a_KxR.shape[0] != k or a_KxR.ndim != 2:
+    raise ValueError(f"A.shape={tuple(a_KxR.shape)} must be (K={k}, r)")
+  if k % cfg.block_k or cfg.split > k // cfg.block_k:
+    raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
+  rank = a_KxR.shape[1]
+  plan = xa_plan(k, rank, a_KxR.dtype.itemsize, cfg.split)
+  kb = k // 16
+  kernel = functools.partial(nvfp4_gemv_kernel, n=n, rows=m, block_n=cfg.block_n, block_b=cfg.block_k // 16,
+                             steps=k // cfg.block_k, split=cfg.split,
+                             dequant=nvfp4_tile.decoder(cfg.dequant, interpret), prefetch=cfg.prefetch, xa=plan)
+  operands = [gemv_x_layout(x_MxK), layer_1, packed.reshape(packed.shape[0], kb, 8), scale, gs,
+              a_KxR.reshape(kb, 8, 2 * rank)]  # row (b, j): A's rows 16b + 2j, then 16b + 2j + 1
+  y_shape = (m, n) if cfg.split == 1 else (cfg.split, m, n)
+  out_shapes = (jax.ShapeDtypeStruct(y_shape, x_MxK.dtype if cfg.split == 1 else jnp.float32),
+                jax.ShapeDtypeStruct((plan.programs, m, rank), jnp.float32))
+  aliases = {}
+  if poison:  # NaN-filled outputs, aliased in place: a tile or partial left unwritten shows up
+    aliases = {len(operands): 0, len(operands) + 1: 1}
+    operands += [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shapes]
+    kernel = functools.partial(_drop_poison_refs, kernel)
+  y, xa_partials = pl.pallas_call(
+      kernel, out_shape=out_shapes, grid=(plan.columns + pl.cdiv(n, cfg.block_n), cfg.split),
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      input_output_aliases=aliases, interpret=interpret, name="nvfp4_gemv_xa",
+  )(*operands)
+  if cfg.split > 1:
+    y = y.sum(axis=0).astype(x_MxK.dtype)
+  return y, xa_partials.sum(axis=0)
+
+
+def _drop_poison_refs(kernel, *refs):
+  """Calls ``kernel`` without the two NaN-filled inputs aliased to its outputs (never read)."""
+  *ins, _y_poison, _xa_poison, y_ref, xa_ref = refs
+  return kernel(*ins, y_ref, xa_ref)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import kernels
-from kernels import config as config_lib
+from kernels import config as config_lib, nvfp4_gemv
 from kernels.config import Nvfp4MatmulConfig
 from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
 from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
@@ -518,6 +518,9 @@ _LOWERING_CASES = {  # name -> (direction, config, with the epilogue)
                                                    prefetch=True), False),  # 8 K steps as 3 + 3 + 2
   "fwd-gemv-asm-prefetch2": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=32, split=3, engine="gemv",
                                                       dequant="asm", prefetch=2), False),
+  # x @ A in extra programs of the gemv launch (a ragged split of the weight, the adapter in float32).
+  "fwd-gemv-asm-xa": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=32, split=3, engine="gemv", dequant="asm",
+                                               prefetch=True), "xa"),
   "bwd-jnp": ("bwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64), False),
   "bwd-asm": ("bwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64, split=2, dequant="asm"), False),
 }
@@ -537,6 +540,9 @@ def test_kernels_lower_to_triton_for_cuda(case):
   if direction == "bwd":
     f = lambda dy, *w: nvfp4_matmul_bwd_pallas(dy, *w, config=cfg)
     args = (jnp.ones((m, n), jnp.bfloat16), *weights)
+  elif epilogue == "xa":
+    f = lambda x, a, *w: nvfp4_gemv.nvfp4_gemv_xa_pallas(x, *w, a, config=cfg)
+    args = (jnp.ones((m, k), jnp.bfloat16), jnp.ones((k, 16), jnp.float32), *weights)
   elif epilogue:
     f = lambda x, xa, b, bias, *w: nvfp4_matmul_fwd_pallas(x, *w, config=cfg, xa_MxR=xa, b_RxN=b, bias_N=bias,
                                                            lora_scale=2.0)

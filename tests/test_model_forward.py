@@ -332,6 +332,40 @@ def test_fused_lora_epilogue_gives_the_same_logits_and_adapter_gradients(monkeyp
       assert np.abs(plain_grads[proj]).max() > 0
 
 
+def test_gemv_lora_xa_gives_the_same_decode_logits_and_adapter_gradients(monkeypatch):
+  # config.gemv_lora_xa: at one decode row each NVFP4 projection's gemv also computes its adapter's x @ A
+  # (kernels.nvfp4_matmul_xa, interpret mode here). Logits and the gradients of A and B equal the model's
+  # usual path through the same kernels, and the launches are the shared ones (no concatenated A's).
+  import kernels
+  seed, config, model, _, params = _nvfp4_bf16_case()
+  token = jnp.asarray([[np.random.default_rng(seed).integers(0, 128)]])
+  monkeypatch.setattr(kernels, "nvfp4_matmul", functools.partial(kernels.nvfp4_matmul, interpret=True))
+  monkeypatch.setattr(kernels, "nvfp4_matmul_xa", functools.partial(kernels.nvfp4_matmul_xa, interpret=True))
+  names = ("v_proj", "o_proj", "gate_proj", "down_proj")  # (one token attends to itself: q and k get no gradient)
+
+  def loss(adapters, cfg):
+    layers = {**params["layers"], **{n: {**params["layers"][n], **adapters[n]} for n in names}}
+    return jnp.mean(forward({**params, "layers": layers}, cfg, model.lora_scale, token)[..., :8] ** 2)
+
+  adapters = {n: {k: params["layers"][n][k] for k in ("lora_a", "lora_b")} for n in names}
+  results = {}
+  for on in (False, True):
+    cfg = config.replace(gemv_lora_xa=on)
+    logits = np.asarray(jax.jit(lambda p: forward(p, cfg, model.lora_scale, token))(params), np.float32)
+    grads = jax.jit(jax.grad(lambda a: loss(a, cfg)))(adapters)
+    jaxpr = str(jax.make_jaxpr(lambda p: forward(p, cfg, model.lora_scale, token))(params))
+    results[on] = logits, grads, jaxpr
+  (plain, plain_grads, plain_jaxpr), (shared, shared_grads, shared_jaxpr) = results[False], results[True]
+  np.testing.assert_allclose(shared, plain, atol=0.02 * np.abs(plain).max(), err_msg=f"{seed=}")
+  for n in names:
+    for k in ("lora_a", "lora_b"):
+      want, got = np.asarray(plain_grads[n][k], np.float32), np.asarray(shared_grads[n][k], np.float32)
+      assert np.abs(want).max() > 0, (n, k)
+      np.testing.assert_allclose(got, want, atol=0.03 * np.abs(want).max(), err_msg=f"{n} {k} {seed=}")
+  # Each of the seven projections of the (scanned) layer is one shared launch; the usual path has none.
+  assert len(re.findall(r"name=_shared_launch\b", shared_jaxpr)) == 7 and "nvfp4_gemv_xa" not in plain_jaxpr
+
+
 def test_pallas_decode_attention_gives_the_xla_decode_logits(model_and_seed):
   # The same weights with decode_attention="pallas": one-token steps read the stacked cache in place
   # (kernels.decode_attention, interpret mode here); prefill and logits match the XLA path.

@@ -72,6 +72,10 @@ class ModelConfig:
   # several small ones per projection; kernels/nvfp4_epilogue.py). Off: on an H200 (e7ec3b0, 7B decode step)
   # it saved 0.14 ms at batch 1 but cost 0.33 ms at batch 8 and 1.4 ms at batch 64.
   fused_lora: bool = False
+  # NVFP4 projections at decode rows (the gemv engine, 1-2 rows) compute the adapter's x @ A inside the gemv's
+  # launch (kernels/nvfp4_matmul_xa.py) instead of XLA's own small kernels for it (~21 us per 7B layer at batch
+  # 1 on an H200, 4a2b5e4). Off until it is measured on a GPU.
+  gemv_lora_xa: bool = False
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None

@@ -133,6 +133,20 @@ def base_matmul(x_BxTxK: jax.Array, w: Any, **epilogue) -> jax.Array:
   return y.astype(x_BxTxK.dtype)
 
 
+def _gemv_rows(x_BxTxK: jax.Array, w: Any) -> bool:
+  """Whether x @ W runs at decode rows on an NVFP4 weight, where the gemv can take x @ A along
+  (`kernels.nvfp4_matmul_xa`)."""
+  from kernels.config import GEMV_MAX_ROWS  # pylint: disable=import-outside-toplevel
+  return is_nvfp4(w) and math.prod(x_BxTxK.shape[:-1]) <= GEMV_MAX_ROWS
+
+
+def base_matmul_xa(x_BxTxK: jax.Array, w: Any, a_KxR: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(x @ W, x @ A in float32) for an NVFP4 weight: one kernel launch at decode rows (where it applies)."""
+  import kernels  # pylint: disable=import-outside-toplevel
+  stacked, layer = (w.stacked, w.layer) if isinstance(w, LayerOf) else (w, None)
+  return kernels.nvfp4_matmul_xa(x_BxTxK, stacked, a_KxR, layer=layer)
+
+
 def lora_xa(x_BxTxK: jax.Array, a_KxR: jax.Array, b_RxN: jax.Array) -> jax.Array:
   """x @ A in the adapter's dtype with float32 accumulation, cast to B's dtype (PEFT's order).
 
@@ -157,36 +171,48 @@ def lora_up(xa_BxTxR: jax.Array, b_RxN: jax.Array, scale: float) -> jax.Array:
 
 
 def linear(x_BxTxK: jax.Array, p: dict[str, Any], lora_scale: float, fused: bool = False,
-           xa_BxTxR: jax.Array | None = None) -> jax.Array:
+           xa_BxTxR: jax.Array | None = None, gemv_xa: bool = False) -> jax.Array:
   """One projection from its parameter dict {"w", optional "b", optional "lora_a"/"lora_b"}.
 
   fused: with an NVFP4 weight, add the bias and the adapter's (x @ A) @ B inside the matmul kernel's
   epilogue (`kernels.nvfp4_matmul(..., bias=, lora=)`), in float32 with one rounding, instead of as separate
   XLA operations; x @ A stays in XLA. Other weights ignore it. xa_BxTxR: x @ A already computed (`linears`).
+  gemv_xa: at decode rows on an NVFP4 weight (and without ``fused``), x @ A is computed in the gemv's launch.
   """
   w = p["w"]
   has_lora = p.get("lora_a") is not None
+  if gemv_xa and has_lora and xa_BxTxR is None and not fused and _gemv_rows(x_BxTxK, w):
+    y, xa_f32 = base_matmul_xa(x_BxTxK, w, p["lora_a"])
+    return _add_terms(y, p, xa_f32.astype(p["lora_b"].dtype), lora_scale)
   if has_lora and xa_BxTxR is None:
     xa_BxTxR = lora_xa(x_BxTxK, p["lora_a"], p["lora_b"])
   if fused and is_nvfp4(w):
     lora = (xa_BxTxR, p["lora_b"], lora_scale) if has_lora else None
     return base_matmul(x_BxTxK, w, bias=p.get("b"), lora=lora)
-  y = base_matmul(x_BxTxK, w)
+  return _add_terms(base_matmul(x_BxTxK, w), p, xa_BxTxR, lora_scale)
+
+
+def _add_terms(y: jax.Array, p: dict[str, Any], xa_BxTxR: jax.Array | None, lora_scale: float) -> jax.Array:
+  """y + bias + the adapter's (x @ A) @ B, each rounded to y's dtype (the unfused order)."""
   if p.get("b") is not None:
     y = y + p["b"].astype(y.dtype)
-  if has_lora:
+  if xa_BxTxR is not None:
     y = y + lora_up(xa_BxTxR, p["lora_b"], lora_scale).astype(y.dtype)
   return y
 
 
-def linears(x_BxTxK: jax.Array, ps: Sequence[dict[str, Any]], lora_scale: float, fused: bool = False) -> list:
+def linears(x_BxTxK: jax.Array, ps: Sequence[dict[str, Any]], lora_scale: float, fused: bool = False,
+            gemv_xa: bool = False) -> list:
   """`linear` for several projections of the same input (q/k/v, gate/up), their adapters' x @ A as one matmul.
 
   At one decode row XLA runs each x @ A as its own small reduction kernel (7B, batch 1, 3c549d8: 196 per
   token, ~0.8 ms of a 5.4 ms step); concatenating the A's that share an input halves their number. Measured
   on an H200 (0dc83ad, with a gemv retune in the same commit): the NVFP4 step 5.36 -> 5.07 ms; the bf16
   rollout 8.36 -> 6.44 ms per step since 61ea4fd. Each column of x @ [A1 | A2 | ...] is the same dot as x @ Ai.
+  gemv_xa (`linear`): at decode rows on NVFP4 weights each projection's gemv computes its own x @ A instead.
   """
+  if gemv_xa and not fused and all(_gemv_rows(x_BxTxK, p["w"]) for p in ps):
+    return [linear(x_BxTxK, p, lora_scale, gemv_xa=True) for p in ps]
   with_lora = [p for p in ps if p.get("lora_a") is not None]
   dtypes = {(p["lora_a"].dtype, p["lora_b"].dtype) for p in with_lora}
   if len(with_lora) < 2 or len(dtypes) > 1:

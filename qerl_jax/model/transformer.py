@@ -67,9 +67,9 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
   `layer`, or this layer's own (k, v) [B, S, Hkv, Dh]."""
   b, t, _ = x_BxTxD.shape
   eps = config.rms_norm_eps
-  fused = config.fused_lora
+  fused, gemv_xa = config.fused_lora, config.gemv_lora_xa
   h = attn.rms_norm(x_BxTxD, p["input_layernorm"], eps, noise.get("input_layernorm"))
-  q, k, v = linears(h, [p["q_proj"], p["k_proj"], p["v_proj"]], lora_scale, fused)
+  q, k, v = linears(h, [p["q_proj"], p["k_proj"], p["v_proj"]], lora_scale, fused, gemv_xa)
   q = q.reshape(b, t, config.num_heads, config.head_dim)
   k, v = (y.reshape(b, t, config.num_kv_heads, config.head_dim) for y in (k, v))
   if config.qk_norm:
@@ -101,11 +101,11 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
       # queries can see at all, so a prefill attends over the prompt, not the whole response budget.
       k_all, v_all = k_all[:, :mask_BxTxS.shape[-1]], v_all[:, :mask_BxTxS.shape[-1]]
       o = attn.attend(q, k_all, v_all, mask_BxTxS, config.attn_query_chunk)
-  x_BxTxD = x_BxTxD + linear(o, p["o_proj"], lora_scale, fused)
+  x_BxTxD = x_BxTxD + linear(o, p["o_proj"], lora_scale, fused, gemv_xa=gemv_xa)
   h = attn.rms_norm(x_BxTxD, p["post_attention_layernorm"], eps, noise.get("post_attention_layernorm"))
-  g, u = (y.astype(jnp.float32) for y in linears(h, [p["gate_proj"], p["up_proj"]], lora_scale, fused))
+  g, u = (y.astype(jnp.float32) for y in linears(h, [p["gate_proj"], p["up_proj"]], lora_scale, fused, gemv_xa))
   m = (jax.nn.silu(g) * u).astype(x_BxTxD.dtype)
-  x_BxTxD = x_BxTxD + linear(m, p["down_proj"], lora_scale, fused)
+  x_BxTxD = x_BxTxD + linear(m, p["down_proj"], lora_scale, fused, gemv_xa=gemv_xa)
   return x_BxTxD, kv
 
 

@@ -1,0 +1,93 @@
+"""y = x @ dequantize(q) and a LoRA adapter's x @ A from one few-row launch (``nvfp4_gemv.nvfp4_gemv_xa_pallas``).
+
+At a decode step the adapter's x @ A is a few hundred KB of A against one x row, and XLA runs it as small
+kernels of its own (a product and a column reduction; on an H200 at 4a2b5e4 ~21 us per 7B layer over the four
+projection groups, 12% of a batch-1 step). Here the gemv's grid gets extra programs that read A while the
+others stream the weight. Where that launch does not apply (more rows than the gemv takes, a tile config, a
+rank that is not a power of two, a mesh, the XLA path) both products are computed the usual way.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kernels import config as config_lib
+from kernels.nvfp4_gemv import nvfp4_gemv_xa_pallas
+from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
+from qerl_jax.quant.types import NVFP4Tensor
+
+# The module, not the package attribute of the same name (the function `kernels.nvfp4_matmul`).
+mm = importlib.import_module("kernels.nvfp4_matmul")
+
+
+def nvfp4_matmul_xa(x: jax.Array, q: NVFP4Tensor, a_KxR: jax.Array, *, layer=None, interpret: bool = False,
+                    fwd_config: config_lib.Nvfp4MatmulConfig | None = None) -> tuple[jax.Array, jax.Array]:
+  """(x @ dequantize(q, x.dtype) in x's dtype, x @ A in float32 [..., r]).
+
+  Args:
+    x, q, layer, interpret: as for ``kernels.nvfp4_matmul``.
+    a_KxR: the adapter's A [K, r] (float32 or bf16). x @ A is x cast to A's dtype times A, accumulated in
+      float32 (PEFT's order; the caller casts it to B's dtype).
+    fwd_config: the few-row config (None: the tuned or heuristic one). The shared launch needs the gemv
+      engine; otherwise the two products run separately.
+  Returns:
+    (y, xa). Differentiable in x and A (the weight is a constant).
+  """
+  k, n = mm.check_shapes(x.shape, x.dtype, q, layer)
+  if a_KxR.ndim != 2 or a_KxR.shape[0] != k:
+    raise ValueError(f"A.shape={tuple(a_KxR.shape)} must be (K={k}, r)")
+  m, rank = math.prod(x.shape[:-1]), a_KxR.shape[1]
+  shared = (0 < m <= config_lib.GEMV_MAX_ROWS and jnp.dtype(x.dtype) in mm.KERNEL_DTYPES
+            and rank > 0 and rank & (rank - 1) == 0 and rank <= 256 and jax.sharding.get_abstract_mesh().empty
+            and (interpret or mm.default_implementation(x.dtype, m) == "pallas"))
+  if shared:
+    kind = None if interpret else mm._device_kind()  # pylint: disable=protected-access
+    cfg = (config_lib.get_config("fwd", m, k, n, kind) if fwd_config is None
+           else config_lib.fit(fwd_config, "fwd", m, k, n))
+    shared = cfg.engine == "gemv"
+  if not shared:
+    y = mm.nvfp4_matmul(x, q, layer=layer, interpret=interpret, fwd_config=fwd_config)
+    xa = jnp.einsum("...k,kr->...r", x.astype(a_KxR.dtype), a_KxR, preferred_element_type=jnp.float32)
+    return y, xa
+  bwd_cfg = config_lib.get_config("bwd", m, k, n, kind)
+  layer = jnp.int32(0) if layer is None else layer  # one weight is a stack of one
+  y_MxN, xa_MxR = _shared_launch(x.reshape(m, k), q, layer, a_KxR, cfg, bwd_cfg, interpret)
+  return y_MxN.reshape(*x.shape[:-1], n), xa_MxR.reshape(*x.shape[:-1], rank)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _shared_launch(x_MxK, q, layer, a_KxR, cfg, bwd_cfg, interpret):
+  return _gemv_xa(x_MxK, q, layer, a_KxR, cfg, bwd_cfg, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _gemv_xa(x_MxK, q, layer, a_KxR, cfg, bwd_cfg, interpret):
+  stacked = q.packed_NxKh.ndim == 3
+  return nvfp4_gemv_xa_pallas(x_MxK, q.packed_NxKh, q.scale_NxKb, q.global_scale, a_KxR, config=cfg,
+                              interpret=interpret, layer=layer if stacked else None)
+
+
+def _gemv_xa_fwd(x_MxK, q, layer, a_KxR, cfg, bwd_cfg, interpret):
+  return _gemv_xa(x_MxK, q, layer, a_KxR, cfg, bwd_cfg, interpret), (x_MxK, q, layer, a_KxR)
+
+
+def _gemv_xa_bwd(cfg, bwd_cfg, interpret, res, cotangents):
+  x_MxK, q, layer, a_KxR = res
+  dy_MxN, dxa_MxR = cotangents
+  stacked = q.packed_NxKh.ndim == 3
+  dx_MxK = nvfp4_matmul_bwd_pallas(dy_MxN, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=bwd_cfg,
+                                   interpret=interpret, layer=layer if stacked else None)
+  dxa_MxR = dxa_MxR.astype(jnp.float32)
+  a_f32 = a_KxR.astype(jnp.float32)
+  dx_MxK = (dx_MxK.astype(jnp.float32) + dxa_MxR @ a_f32.T).astype(x_MxK.dtype)
+  da_KxR = (x_MxK.astype(a_KxR.dtype).astype(jnp.float32).T @ dxa_MxR).astype(a_KxR.dtype)
+  return (dx_MxK, jax.tree_util.tree_map(mm._zero_cotangent, q),  # pylint: disable=protected-access
+          mm._zero_cotangent(layer), da_KxR)  # pylint: disable=protected-access
+
+
+_gemv_xa.defvjp(_gemv_xa_fwd, _gemv_xa_bwd)

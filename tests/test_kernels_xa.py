@@ -1,0 +1,108 @@
+"""x @ A in the gemv's launch (`kernels.nvfp4_matmul_xa`): interpret mode against NumPy, gradients, fallbacks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels
+from kernels import nvfp4_gemv
+from kernels.config import Nvfp4MatmulConfig
+from qerl_jax.model.testing import fresh_seed
+from tests.test_kernels import _dequant_np, _random_q
+
+# (rows, K, N, rank, A dtype, config): one and two rows, a K split that is ragged (5 steps in 3 ranges) and one
+# that is even, N not a multiple of block_n, more x @ A programs than steps of A (K = 64: 4 blocks).
+CASES = [
+  (1, 256, 48, 16, jnp.float32, Nvfp4MatmulConfig(block_n=16, block_k=32, split=1, engine="gemv")),
+  (2, 160, 40, 8, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=3, engine="gemv", prefetch=1)),
+  (1, 512, 64, 32, jnp.float32, Nvfp4MatmulConfig(block_n=32, block_k=64, split=2, engine="gemv")),
+  (2, 64, 24, 4, jnp.float32, Nvfp4MatmulConfig(block_n=16, block_k=16, split=4, engine="gemv")),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_shared_launch_gives_both_products(case):
+  rows, k, n, rank, a_dtype, cfg = CASES[case]
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  q = _random_q(rng, k, n)
+  x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+  a = jnp.asarray(rng.standard_normal((k, rank)) / np.sqrt(k), a_dtype)
+  # Poisoned outputs: a y tile or an x @ A partial the kernel leaves unwritten is NaN.
+  y, xa = nvfp4_gemv.nvfp4_gemv_xa_pallas(x, q.packed_NxKh, q.scale_NxKb, q.global_scale, a, config=cfg,
+                                          interpret=True, poison=True)
+  x64 = np.asarray(x, np.float64)
+  y_want = x64 @ _dequant_np(q)
+  xa_want = x64 @ np.asarray(a, np.float64)
+  assert y.dtype == jnp.bfloat16 and xa.dtype == jnp.float32 and xa.shape == (rows, rank)
+  np.testing.assert_allclose(np.asarray(y, np.float64), y_want, rtol=1e-2, atol=1e-2 * np.abs(y_want).max(),
+                             err_msg=f"{seed=}")
+  np.testing.assert_allclose(np.asarray(xa, np.float64), xa_want, rtol=1e-5, atol=1e-6, err_msg=f"{seed=}")
+
+
+def test_stacked_weight_layer_and_gradients_match_the_separate_products():
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  k, n, rank = 128, 48, 16
+  qs = [_random_q(rng, k, n) for _ in range(3)]
+  stack = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *qs)
+  x = jnp.asarray(rng.standard_normal((1, 1, k)), jnp.bfloat16)
+  a = jnp.asarray(rng.standard_normal((k, rank)) / np.sqrt(k), jnp.float32)
+  cot_y = jnp.asarray(rng.standard_normal((1, 1, n)), jnp.float32)
+  cot_xa = jnp.asarray(rng.standard_normal((1, 1, rank)), jnp.float32)
+
+  def loss(x, a, shared):
+    if shared:
+      y, xa = kernels.nvfp4_matmul_xa(x, stack, a, layer=jnp.int32(2), interpret=True)
+    else:
+      y = kernels.nvfp4_matmul_reference(x, qs[2])
+      xa = jnp.einsum("...k,kr->...r", x.astype(a.dtype), a, preferred_element_type=jnp.float32)
+    return jnp.sum(y.astype(jnp.float32) * cot_y) + jnp.sum(xa * cot_xa)
+
+  (gx, ga), (wx, wa) = (jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(x, a, s) for s in (True, False))
+  np.testing.assert_allclose(np.asarray(gx, np.float32), np.asarray(wx, np.float32),
+                             atol=0.02 * float(jnp.abs(wx).max()), err_msg=f"{seed=}")
+  np.testing.assert_allclose(np.asarray(ga), np.asarray(wa), rtol=1e-5, atol=1e-6, err_msg=f"{seed=}")
+  # d(xa)/dA is x itself: the A gradient is the outer product x^T cot_xa.
+  np.testing.assert_allclose(np.asarray(ga), np.asarray(x, np.float32)[0].T @ np.asarray(cot_xa)[0], rtol=1e-6)
+
+
+def test_without_a_gemv_launch_the_products_run_separately():
+  # More rows than the gemv takes, or a rank that is not a power of two: the same two products, computed
+  # the usual way (no shared launch in the program).
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  q = _random_q(rng, 64, 32)
+  for rows, rank in ((3, 8), (1, 6)):
+    x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.bfloat16)
+    a = jnp.asarray(rng.standard_normal((64, rank)), jnp.float32)
+    y, xa = kernels.nvfp4_matmul_xa(x, q, a, interpret=True)
+    text = str(jax.make_jaxpr(lambda x, a: kernels.nvfp4_matmul_xa(x, q, a, interpret=True))(x, a))
+    assert "nvfp4_gemv_xa" not in text
+    np.testing.assert_allclose(np.asarray(xa), np.asarray(x, np.float32) @ np.asarray(a), rtol=1e-5, atol=1e-5)
+    want = np.asarray(kernels.nvfp4_matmul(x, q, interpret=True), np.float32)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), want)
+
+
+def test_bad_adapter_shapes_and_configs_are_named():
+  q = _random_q(np.random.default_rng(0), 64, 32)
+  x = jnp.ones((1, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"A.shape=\(32, 4\) must be \(K=64, r\)"):
+    kernels.nvfp4_matmul_xa(x, q, jnp.ones((32, 4)), interpret=True)
+  tile = Nvfp4MatmulConfig(block_m=16, block_n=16, block_k=32)
+  with pytest.raises(ValueError, match="rides in the gemv engine only"):
+    nvfp4_gemv.nvfp4_gemv_xa_pallas(x, q.packed_NxKh, q.scale_NxKb, q.global_scale, jnp.ones((64, 4)), config=tile,
+                                    interpret=True)
+  with pytest.raises(ValueError, match="power-of-two LoRA rank"):
+    nvfp4_gemv.xa_plan(64, 12, 4, 1)
+
+
+def test_xa_plan_covers_k_with_programs_of_about_32_kb():
+  # 7B at rank 16 in float32: q/o/gate/up (K = 3584, 229 KB) in 7 programs, down (K = 18944, 1.2 MB) in 37,
+  # rounded up to whole grid columns of the K split; every step of A lands in exactly one program.
+  for k, split, columns, programs in ((3584, 1, 7, 7), (3584, 5, 2, 10), (18944, 5, 8, 40), (3584, 28, 1, 28)):
+    plan = nvfp4_gemv.xa_plan(k, 16, 4, split)
+    assert (plan.columns, plan.programs) == (columns, programs), (k, split, plan)
+    covered = [t for p in range(plan.programs) for t in range(p * plan.per, min(plan.steps, (p + 1) * plan.per))]
+    assert covered == list(range(plan.steps)) and plan.steps * plan.block_b == k // 16
