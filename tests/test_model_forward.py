@@ -334,12 +334,11 @@ def test_fused_lora_epilogue_gives_the_same_logits_and_adapter_gradients(monkeyp
 
 def test_gemv_lora_xa_gives_the_same_decode_logits_and_adapter_gradients(monkeypatch):
   # config.gemv_lora_xa: at one decode row each NVFP4 projection's gemv also computes its adapter's x @ A
-  # (kernels.nvfp4_matmul_xa, interpret mode here). Logits and the gradients of A and B equal the model's
-  # usual path through the same kernels, and the launches are the shared ones (no concatenated A's).
+  # (kernels.nvfp4_matmul_xa, interpret mode here). Logits and the gradients of A and B equal the usual path's
+  # (XLA on this CPU), and the launches are the shared ones (no concatenated A's).
   import kernels
   seed, config, model, _, params = _nvfp4_bf16_case()
   token = jnp.asarray([[np.random.default_rng(seed).integers(0, 128)]])
-  monkeypatch.setattr(kernels, "nvfp4_matmul", functools.partial(kernels.nvfp4_matmul, interpret=True))
   monkeypatch.setattr(kernels, "nvfp4_matmul_xa", functools.partial(kernels.nvfp4_matmul_xa, interpret=True))
   names = ("v_proj", "o_proj", "gate_proj", "down_proj")  # (one token attends to itself: q and k get no gradient)
 
