@@ -193,23 +193,38 @@ def nvfp4_gemv_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.
   The weight is one [N, K/2] tensor, or stacked [L, N, K/2] with ``layer`` picking one (read in place).
   epilogue: (operands, Epilogue) from ``nvfp4_epilogue.operands``.
   """
+  return _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, config, interpret, poison, layer, epilogue)
+
+
+def _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, cfg: Nvfp4MatmulConfig, interpret: bool, poison: bool,
+            layer, epilogue, a_KxR: jax.Array | None = None):
+  """The gemv launch: y, or with ``a_KxR`` (y, x @ A in float32) (``nvfp4_gemv_xa_pallas``)."""
   epi_ops, epi = epilogue
   m, k = x_MxK.shape
   (layer_1, packed, scale, gs), n = nvfp4_tile.layer_operands(packed_NxKh, scale_NxKb, global_scale, layer)
-  cfg = config
   if m > GEMV_MAX_ROWS:
     raise ValueError(f"the gemv kernel takes at most {GEMV_MAX_ROWS} rows, got {m}")
   if k % cfg.block_k or cfg.split > k // cfg.block_k:
     raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
   kb = k // 16
+  plan = None if a_KxR is None else xa_plan(k, a_KxR.shape[1], a_KxR.dtype.itemsize, cfg.split)
   kernel = functools.partial(nvfp4_gemv_kernel, n=n, rows=m, block_n=cfg.block_n, block_b=cfg.block_k // 16,
                              steps=k // cfg.block_k, split=cfg.split,
                              dequant=nvfp4_tile.decoder(cfg.dequant, interpret), epilogue=epi,
-                             prefetch=cfg.prefetch)
+                             prefetch=cfg.prefetch, xa=plan)
   operands = [gemv_x_layout(x_MxK), layer_1, packed.reshape(packed.shape[0], kb, 8), scale, gs, *epi_ops]
-  return nvfp4_tile.launch(kernel, operands, rows=m, cols=n, split=cfg.split, dtype=x_MxK.dtype,
-                           grid=(pl.cdiv(n, cfg.block_n), cfg.split), num_warps=cfg.num_warps,
-                           num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_gemv")
+  extra_out, columns = (), 0
+  if plan is not None:
+    operands.append(a_KxR.reshape(kb, 8, 2 * plan.rank))  # row (b, j): A's rows 16b + 2j, then 16b + 2j + 1
+    extra_out, columns = (jax.ShapeDtypeStruct((plan.programs, m, plan.rank), jnp.float32),), plan.columns
+  out = nvfp4_tile.launch(kernel, operands, rows=m, cols=n, split=cfg.split, dtype=x_MxK.dtype,
+                          grid=(columns + pl.cdiv(n, cfg.block_n), cfg.split), num_warps=cfg.num_warps,
+                          num_stages=cfg.num_stages, interpret=interpret, poison=poison,
+                          name="nvfp4_gemv" if plan is None else "nvfp4_gemv_xa", extra_out=extra_out)
+  if plan is None:
+    return out
+  y, xa_partials = out
+  return y, xa_partials.sum(axis=0)
 
 
 # Bytes of A each x @ A program reads: ~32 KB keeps each one well under the gemv's own per-program time (a 7B
@@ -242,42 +257,10 @@ def nvfp4_gemv_xa_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: j
   the others stream the weight, and only their float32 partial sums [programs, M, r] are added by XLA.
   x @ A is in float32 from A's values (PEFT casts x to A's dtype: bf16 x is exact in float32 either way).
   """
-  m, k = x_MxK.shape
-  (layer_1, packed, scale, gs), n = nvfp4_tile.layer_operands(packed_NxKh, scale_NxKb, global_scale, layer)
-  cfg = config
-  if m > GEMV_MAX_ROWS or cfg.engine != "gemv":
-    raise ValueError(f"x @ A rides in the gemv engine only (at most {GEMV_MAX_ROWS} rows), got {m} rows, {cfg}")
-  if a_KxR.shape[0] != k or a_KxR.ndim != 2:
+  k = x_MxK.shape[1]
+  if config.engine != "gemv":
+    raise ValueError(f"x @ A rides in the gemv engine only (at most {GEMV_MAX_ROWS} rows), not {config}")
+  if a_KxR.ndim != 2 or a_KxR.shape[0] != k:
     raise ValueError(f"A.shape={tuple(a_KxR.shape)} must be (K={k}, r)")
-  if k % cfg.block_k or cfg.split > k // cfg.block_k:
-    raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
-  rank = a_KxR.shape[1]
-  plan = xa_plan(k, rank, a_KxR.dtype.itemsize, cfg.split)
-  kb = k // 16
-  kernel = functools.partial(nvfp4_gemv_kernel, n=n, rows=m, block_n=cfg.block_n, block_b=cfg.block_k // 16,
-                             steps=k // cfg.block_k, split=cfg.split,
-                             dequant=nvfp4_tile.decoder(cfg.dequant, interpret), prefetch=cfg.prefetch, xa=plan)
-  operands = [gemv_x_layout(x_MxK), layer_1, packed.reshape(packed.shape[0], kb, 8), scale, gs,
-              a_KxR.reshape(kb, 8, 2 * rank)]  # row (b, j): A's rows 16b + 2j, then 16b + 2j + 1
-  y_shape = (m, n) if cfg.split == 1 else (cfg.split, m, n)
-  out_shapes = (jax.ShapeDtypeStruct(y_shape, x_MxK.dtype if cfg.split == 1 else jnp.float32),
-                jax.ShapeDtypeStruct((plan.programs, m, rank), jnp.float32))
-  aliases = {}
-  if poison:  # NaN-filled outputs, aliased in place: a tile or partial left unwritten shows up
-    aliases = {len(operands): 0, len(operands) + 1: 1}
-    operands += [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shapes]
-    kernel = functools.partial(_drop_poison_refs, kernel)
-  y, xa_partials = pl.pallas_call(
-      kernel, out_shape=out_shapes, grid=(plan.columns + pl.cdiv(n, cfg.block_n), cfg.split),
-      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-      input_output_aliases=aliases, interpret=interpret, name="nvfp4_gemv_xa",
-  )(*operands)
-  if cfg.split > 1:
-    y = y.sum(axis=0).astype(x_MxK.dtype)
-  return y, xa_partials.sum(axis=0)
-
-
-def _drop_poison_refs(kernel, *refs):
-  """Calls ``kernel`` without the two NaN-filled inputs aliased to its outputs (never read)."""
-  *ins, _y_poison, _xa_poison, y_ref, xa_ref = refs
-  return kernel(*ins, y_ref, xa_ref)
+  return _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, config, interpret, poison, layer, ([], Epilogue()),
+                 a_KxR)

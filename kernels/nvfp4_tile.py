@@ -166,10 +166,9 @@ def split_range(pid_s, steps: int, split: int):
   return pid_s * per, jnp.minimum(per, steps - pid_s * per)
 
 
-def drop_poison_ref(kernel, *refs):
-  """Calls ``kernel`` without the NaN-filled input that is aliased to the output (it is never read)."""
-  *ins, _poison_ref, out_ref = refs
-  return kernel(*ins, out_ref)
+def drop_poison_refs(kernel, count: int, *refs):
+  """Calls ``kernel`` without the ``count`` NaN-filled inputs aliased to its ``count`` outputs (never read)."""
+  return kernel(*refs[:-2 * count], *refs[-count:])
 
 
 def decoder(dequant: str, interpret: bool) -> str:
@@ -179,28 +178,31 @@ def decoder(dequant: str, interpret: bool) -> str:
 
 
 def launch(kernel, operands: list, *, rows: int, cols: int, split: int, dtype, grid: tuple[int, int],
-           num_warps: int, num_stages: int, interpret: bool, poison: bool, name: str) -> jax.Array:
+           num_warps: int, num_stages: int, interpret: bool, poison: bool, name: str, extra_out: tuple = ()):
   """Runs ``kernel`` over ``grid``; returns its [rows, cols] output in ``dtype``.
 
-  split > 1: the kernel writes float32 partial sums [split, rows, cols], added here. poison: the output
-  starts NaN-filled (aliased in place), so a tile the kernel fails to write shows up.
+  split > 1: the kernel writes float32 partial sums [split, rows, cols], added here. poison: the outputs
+  start NaN-filled (aliased in place), so a tile the kernel fails to write shows up. extra_out: shapes
+  (``jax.ShapeDtypeStruct``) of more outputs the kernel writes after that one; then (y, *those) is returned.
   """
   from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
   from jax.experimental.pallas import triton as plgpu  # pylint: disable=import-outside-toplevel
 
   shape, out_dtype = ((rows, cols), dtype) if split == 1 else ((split, rows, cols), jnp.float32)
+  out_shapes = (jax.ShapeDtypeStruct(shape, out_dtype), *extra_out)
   aliases = {}
   if poison:
-    aliases = {len(operands): 0}
-    operands = [*operands, jnp.full(shape, jnp.nan, out_dtype)]
-    kernel = functools.partial(drop_poison_ref, kernel)
-  out = pl.pallas_call(
+    aliases = {len(operands) + i: i for i in range(len(out_shapes))}
+    operands = [*operands, *(jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shapes)]
+    kernel = functools.partial(drop_poison_refs, kernel, len(out_shapes))
+  out, *extras = pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct(shape, out_dtype),
+      out_shape=out_shapes,
       grid=grid,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       input_output_aliases=aliases,
       interpret=interpret,
       name=name,
   )(*operands)
-  return out if split == 1 else out.sum(axis=0).astype(dtype)
+  y = out if split == 1 else out.sum(axis=0).astype(dtype)
+  return (y, *extras) if extra_out else y
