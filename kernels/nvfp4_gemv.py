@@ -237,7 +237,10 @@ def xa_plan(k: int, rank: int, itemsize: int, split: int) -> XaPlan:
   if rank & (rank - 1) or not 0 < rank <= 256:
     raise ValueError(f"x @ A in the gemv needs a power-of-two LoRA rank up to 256, got {rank}")
   kb = k // 16
-  block_b = next(b for b in (8, 4, 2, 1) if kb % b == 0)
+  # At most 2048 elements of A per plane and trip: a larger tile costs the kernel registers, and so the
+  # weight programs occupancy (7B gate_up, kernel_sass: rank 64 at 8 blocks per trip took 58 registers and 8
+  # programs per SM, rank 128 68 and 7, against 56 and 9 up to rank 32).
+  block_b = next(b for b in (8, 4, 2, 1) if kb % b == 0 and (b * 8 * rank <= 2048 or b == 1))
   steps = kb // block_b
   want = min(steps, -(-k * rank * itemsize // _XA_BYTES_PER_PROGRAM))
   columns = -(-want // split)

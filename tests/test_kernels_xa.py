@@ -12,12 +12,13 @@ from qerl_jax.model.testing import fresh_seed
 from tests.test_kernels import _dequant_np, _random_q
 
 # (rows, K, N, rank, A dtype, config): one and two rows, a K split that is ragged (5 steps in 3 ranges) and one
-# that is even, N not a multiple of block_n, more x @ A programs than steps of A (K = 64: 4 blocks).
+# that is even, N not a multiple of block_n, more x @ A programs than steps of A (K = 64: 4 blocks), rank 64.
 CASES = [
   (1, 256, 48, 16, jnp.float32, Nvfp4MatmulConfig(block_n=16, block_k=32, split=1, engine="gemv")),
   (2, 160, 40, 8, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=3, engine="gemv", prefetch=1)),
   (1, 512, 64, 32, jnp.float32, Nvfp4MatmulConfig(block_n=32, block_k=64, split=2, engine="gemv")),
   (2, 64, 24, 4, jnp.float32, Nvfp4MatmulConfig(block_n=16, block_k=16, split=4, engine="gemv")),
+  (1, 256, 32, 64, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=64, split=1, engine="gemv")),  # 4 per trip
 ]
 
 
@@ -106,3 +107,5 @@ def test_xa_plan_covers_k_with_programs_of_about_32_kb():
     assert (plan.columns, plan.programs) == (columns, programs), (k, split, plan)
     covered = [t for p in range(plan.programs) for t in range(p * plan.per, min(plan.steps, (p + 1) * plan.per))]
     assert covered == list(range(plan.steps)) and plan.steps * plan.block_b == k // 16
+  # Larger ranks take fewer blocks of A per trip (at most 2048 elements per plane, to keep the registers).
+  assert [nvfp4_gemv.xa_plan(3584, r, 4, 1).block_b for r in (16, 32, 64, 128, 256)] == [8, 8, 4, 2, 1]
