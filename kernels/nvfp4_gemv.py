@@ -16,6 +16,9 @@ is passed as float32 [M, 2, K/16, 8] with x[m, h, b, j] = x[m, 16b + 2j + h] (``
 nibble plane meets its own x plane without any interleave. Each program owns block_n output columns and one
 split of the K blocks; it keeps a [block_n, block_k / 16] float32 accumulator per row (one partial sum per
 NVFP4 block, multiplied by that block's scale) and reduces it once at the end.
+
+``nvfp4_gemv_xa_pallas`` runs the same kernel with extra programs that compute a LoRA adapter's x @ A while
+the others stream the weight (``kernels/nvfp4_matmul_xa.py`` is its public, differentiable entry).
 """
 
 from __future__ import annotations
@@ -232,9 +235,14 @@ def _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, cfg: Nvfp4MatmulConfig
 _XA_BYTES_PER_PROGRAM = 32 * 1024
 
 
+def xa_rank_supported(rank: int) -> bool:
+  """Whether the gemv can take x @ A along for an adapter of this rank (Triton tiles: a power of two)."""
+  return 0 < rank <= 256 and rank & (rank - 1) == 0
+
+
 def xa_plan(k: int, rank: int, itemsize: int, split: int) -> XaPlan:
   """The x @ A work of a gemv launch with K split ``split`` ways (``XaPlan``)."""
-  if rank & (rank - 1) or not 0 < rank <= 256:
+  if not xa_rank_supported(rank):
     raise ValueError(f"x @ A in the gemv needs a power-of-two LoRA rank up to 256, got {rank}")
   kb = k // 16
   # At most 2048 elements of A per plane and trip: a larger tile costs the kernel registers, and so the
@@ -256,7 +264,7 @@ def nvfp4_gemv_xa_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: j
 
   A LoRA adapter's x @ A at a decode step is a few hundred KB of A against one x row. On its own XLA runs it
   as two small kernels (a product and a column reduction, `qerl_jax.model.linear.lora_xa`: ~21 us per 7B
-  layer on an H200 at 4a2b5e4, 12% of a batch-1 step); here extra programs of the gemv's grid read A while
+  layer on an H200 at e0f3129, 12% of a batch-1 step); here extra programs of the gemv's grid read A while
   the others stream the weight, and only their float32 partial sums [programs, M, r] are added by XLA.
   x @ A is in float32 from A's values (PEFT casts x to A's dtype: bf16 x is exact in float32 either way).
   """

@@ -1,7 +1,7 @@
 """y = x @ dequantize(q) and a LoRA adapter's x @ A from one few-row launch (``nvfp4_gemv.nvfp4_gemv_xa_pallas``).
 
 At a decode step the adapter's x @ A is a few hundred KB of A against one x row, and XLA runs it as small
-kernels of its own (a product and a column reduction; on an H200 at 4a2b5e4 ~21 us per 7B layer over the four
+kernels of its own (a product and a column reduction; on an H200 at e0f3129 ~21 us per 7B layer over the four
 projection groups, 12% of a batch-1 step). Here the gemv's grid gets extra programs that read A while the
 others stream the weight. Where that launch does not apply (more rows than the gemv takes, a tile config, a
 rank that is not a power of two, a mesh, the XLA path) both products are computed the usual way.
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels import config as config_lib
-from kernels.nvfp4_gemv import nvfp4_gemv_xa_pallas
+from kernels.nvfp4_gemv import nvfp4_gemv_xa_pallas, xa_rank_supported
 from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
 from qerl_jax.quant.types import NVFP4Tensor
 
@@ -43,7 +43,7 @@ def nvfp4_matmul_xa(x: jax.Array, q: NVFP4Tensor, a_KxR: jax.Array, *, layer=Non
     raise ValueError(f"A.shape={tuple(a_KxR.shape)} must be (K={k}, r)")
   m, rank = math.prod(x.shape[:-1]), a_KxR.shape[1]
   shared = (0 < m <= config_lib.GEMV_MAX_ROWS and jnp.dtype(x.dtype) in mm.KERNEL_DTYPES
-            and rank > 0 and rank & (rank - 1) == 0 and rank <= 256 and jax.sharding.get_abstract_mesh().empty
+            and xa_rank_supported(rank) and jax.sharding.get_abstract_mesh().empty
             and (interpret or mm.default_implementation(x.dtype, m) == "pallas"))
   if shared:
     kind = None if interpret else mm._device_kind()  # pylint: disable=protected-access

@@ -74,7 +74,7 @@ class ModelConfig:
   fused_lora: bool = False
   # NVFP4 projections at decode rows (the gemv engine, 1-2 rows) compute the adapter's x @ A inside the gemv's
   # launch (kernels/nvfp4_matmul_xa.py) instead of XLA's own small kernels for it (~21 us per 7B layer at batch
-  # 1 on an H200, 4a2b5e4). Off until it is measured on a GPU.
+  # 1 on an H200, e0f3129). Off until it is measured on a GPU.
   gemv_lora_xa: bool = False
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()

@@ -121,7 +121,7 @@ def base_matmul(x_BxTxK: jax.Array, w: Any, **epilogue) -> jax.Array:
   if is_nvfp4(w):
     # The project's top-level kernels/ package; it falls back to XLA itself where no kernel runs.
     from kernels import nvfp4_matmul  # pylint: disable=import-outside-toplevel
-    stacked, layer = (w.stacked, w.layer) if isinstance(w, LayerOf) else (w, None)
+    stacked, layer = _stack_and_layer(w)
     return nvfp4_matmul(x_BxTxK, stacked, layer=layer, **epilogue)
   if qtypes.is_quantized(w):
     from qerl_jax.quant import dequantize  # pylint: disable=import-outside-toplevel
@@ -143,8 +143,13 @@ def _gemv_rows(x_BxTxK: jax.Array, w: Any) -> bool:
 def base_matmul_xa(x_BxTxK: jax.Array, w: Any, a_KxR: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(x @ W, x @ A in float32) for an NVFP4 weight: one kernel launch at decode rows (where it applies)."""
   import kernels  # pylint: disable=import-outside-toplevel
-  stacked, layer = (w.stacked, w.layer) if isinstance(w, LayerOf) else (w, None)
+  stacked, layer = _stack_and_layer(w)
   return kernels.nvfp4_matmul_xa(x_BxTxK, stacked, a_KxR, layer=layer)
+
+
+def _stack_and_layer(w: Any) -> tuple[Any, Any]:
+  """(NVFP4 tensor, layer index or None) of an NVFP4 weight, for the kernels that read a stack in place."""
+  return (w.stacked, w.layer) if isinstance(w, LayerOf) else (w, None)
 
 
 def lora_xa(x_BxTxK: jax.Array, a_KxR: jax.Array, b_RxN: jax.Array) -> jax.Array:
