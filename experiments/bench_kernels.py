@@ -80,7 +80,9 @@ CANDIDATES = {
                 _C(64, 128, 128, num_warps=8, num_stages=3), _C(32, 128, 128, num_warps=4, num_stages=4),
                 # (kernel_sass at 0dcb044: the tuned 64/64/256 with 3 stages fits 1 program per SM, 4 warps;
                 # these 3-4 programs, 12-16 warps)
-                _C(64, 64, 128, num_warps=4, num_stages=2), _C(32, 64, 256, num_warps=4, num_stages=2)],
+                _C(64, 64, 128, num_warps=4, num_stages=2), _C(32, 64, 256, num_warps=4, num_stages=2),
+                # Eight warps (two warpgroups) per tile: half the decode work per thread, the same bytes
+                _C(64, 64, 256, num_warps=8, num_stages=3), _C(64, 128, 128, num_warps=8, num_stages=2)],
   ("fwd", 256): [_C(64, 128, 64, num_warps=4, num_stages=4), _C(128, 128, 64, num_warps=8, num_stages=3),
                  _C(64, 128, 128, num_warps=4, num_stages=3), _C(128, 64, 128, num_warps=4, num_stages=3)],
   ("fwd", 1 << 30): [_C(128, 128, 64, num_warps=8, num_stages=3), _C(128, 256, 64, num_warps=8, num_stages=3),

@@ -203,7 +203,7 @@ def main():
   p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
   p.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["xla", "pallas", "auto"])
   p.add_argument("--decode-layers", nargs="+", default=["unrolled"], choices=["unrolled", "scan"])
-  p.add_argument("--lora-epilogue", nargs="+", choices=["xla", "fused", "gemv-xa"], default=["xla"],
+  p.add_argument("--lora-epilogue", nargs="+", choices=["xla", "fused", "gemv-xa"], default=["gemv-xa"],
                  help="NVFP4: bias and LoRA added by XLA after the matmul, fused into the kernels' epilogue, or "
                       "(gemv-xa) x @ A computed in the gemv's launch at decode rows (ModelConfig.gemv_lora_xa)")
   p.add_argument("--cache-len", type=int, default=1280)

@@ -42,22 +42,40 @@ def nvfp4_matmul_xa(x: jax.Array, q: NVFP4Tensor, a_KxR: jax.Array, *, layer=Non
   if a_KxR.ndim != 2 or a_KxR.shape[0] != k:
     raise ValueError(f"A.shape={tuple(a_KxR.shape)} must be (K={k}, r)")
   m, rank = math.prod(x.shape[:-1]), a_KxR.shape[1]
-  shared = (0 < m <= config_lib.GEMV_MAX_ROWS and jnp.dtype(x.dtype) in mm.KERNEL_DTYPES
-            and xa_rank_supported(rank) and jax.sharding.get_abstract_mesh().empty
-            and (interpret or mm.default_implementation(x.dtype, m) == "pallas"))
-  if shared:
-    kind = None if interpret else mm._device_kind()  # pylint: disable=protected-access
-    cfg = (config_lib.get_config("fwd", m, k, n, kind) if fwd_config is None
-           else config_lib.fit(fwd_config, "fwd", m, k, n))
-    shared = cfg.engine == "gemv"
-  if not shared:
+  cfg = _shared_config(x, q, rank, layer, interpret, fwd_config)
+  if cfg is None:
     y = mm.nvfp4_matmul(x, q, layer=layer, interpret=interpret, fwd_config=fwd_config)
     xa = jnp.einsum("...k,kr->...r", x.astype(a_KxR.dtype), a_KxR, preferred_element_type=jnp.float32)
     return y, xa
+  kind = None if interpret else mm._device_kind()  # pylint: disable=protected-access
   bwd_cfg = config_lib.get_config("bwd", m, k, n, kind)
   layer = jnp.int32(0) if layer is None else layer  # one weight is a stack of one
   y_MxN, xa_MxR = _shared_launch(x.reshape(m, k), q, layer, a_KxR, cfg, bwd_cfg, interpret)
   return y_MxN.reshape(*x.shape[:-1], n), xa_MxR.reshape(*x.shape[:-1], rank)
+
+
+def xa_shares_launch(x: jax.Array, q: NVFP4Tensor, rank: int, *, layer=None, interpret: bool = False,
+                                      fwd_config: config_lib.Nvfp4MatmulConfig | None = None) -> bool:
+  """Whether ``nvfp4_matmul_xa`` (same arguments, A of this rank) computes x @ A in the gemv's launch.
+
+  Where it does not, a caller may prefer its own x @ A (the model concatenates the A's that share an input).
+  """
+  mm.check_shapes(x.shape, x.dtype, q, layer)
+  return _shared_config(x, q, rank, layer, interpret, fwd_config) is not None
+
+
+def _shared_config(x, q, rank, layer, interpret, fwd_config) -> config_lib.Nvfp4MatmulConfig | None:
+  """The gemv config of the shared launch, or None where the two products run separately."""
+  k, n = mm.check_shapes(x.shape, x.dtype, q, layer)
+  m = math.prod(x.shape[:-1])
+  if not (0 < m <= config_lib.GEMV_MAX_ROWS and jnp.dtype(x.dtype) in mm.KERNEL_DTYPES
+          and xa_rank_supported(rank) and jax.sharding.get_abstract_mesh().empty
+          and (interpret or mm.default_implementation(x.dtype, m) == "pallas")):
+    return None
+  kind = None if interpret else mm._device_kind()  # pylint: disable=protected-access
+  cfg = (config_lib.get_config("fwd", m, k, n, kind) if fwd_config is None
+         else config_lib.fit(fwd_config, "fwd", m, k, n))
+  return cfg if cfg.engine == "gemv" else None
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5, 6))

@@ -340,6 +340,7 @@ def test_gemv_lora_xa_gives_the_same_decode_logits_and_adapter_gradients(monkeyp
   seed, config, model, _, params = _nvfp4_bf16_case()
   token = jnp.asarray([[np.random.default_rng(seed).integers(0, 128)]])
   monkeypatch.setattr(kernels, "nvfp4_matmul_xa", functools.partial(kernels.nvfp4_matmul_xa, interpret=True))
+  monkeypatch.setattr(kernels, "xa_shares_launch", functools.partial(kernels.xa_shares_launch, interpret=True))
   names = ("v_proj", "o_proj", "gate_proj", "down_proj")  # (one token attends to itself: q and k get no gradient)
 
   def loss(adapters, cfg):
@@ -363,6 +364,16 @@ def test_gemv_lora_xa_gives_the_same_decode_logits_and_adapter_gradients(monkeyp
       np.testing.assert_allclose(got, want, atol=0.03 * np.abs(want).max(), err_msg=f"{n} {k} {seed=}")
   # Each of the seven projections of the (scanned) layer is one shared launch; the usual path has none.
   assert len(re.findall(r"name=_shared_launch\b", shared_jaxpr)) == 7 and "nvfp4_gemv_xa" not in plain_jaxpr
+
+
+def test_gemv_lora_xa_without_a_kernel_is_the_usual_program():
+  # Where no kernel takes x @ A (here: the XLA path on this CPU), gemv_lora_xa changes nothing: the same
+  # program, with the adapters' concatenated x @ A and its one-row barrier form (`linears`, `lora_xa`).
+  _, config, model, _, params = _nvfp4_bf16_case()
+  token = jnp.asarray([[3]])
+  jaxprs = [str(jax.make_jaxpr(lambda p: forward(p, config.replace(gemv_lora_xa=on), model.lora_scale, token))(params))
+            for on in (False, True)]
+  assert jaxprs[0] == jaxprs[1] and "optimization_barrier" in jaxprs[0]
 
 
 def test_pallas_decode_attention_gives_the_xla_decode_logits(model_and_seed):

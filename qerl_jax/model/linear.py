@@ -133,11 +133,15 @@ def base_matmul(x_BxTxK: jax.Array, w: Any, **epilogue) -> jax.Array:
   return y.astype(x_BxTxK.dtype)
 
 
-def _gemv_rows(x_BxTxK: jax.Array, w: Any) -> bool:
-  """Whether x @ W runs at decode rows on an NVFP4 weight, where the gemv can take x @ A along
-  (`kernels.nvfp4_matmul_xa`)."""
-  from kernels.config import GEMV_MAX_ROWS  # pylint: disable=import-outside-toplevel
-  return is_nvfp4(w) and math.prod(x_BxTxK.shape[:-1]) <= GEMV_MAX_ROWS
+def _xa_in_gemv(x_BxTxK: jax.Array, p: dict[str, Any]) -> bool:
+  """Whether this projection's gemv computes its adapter's x @ A in the same launch
+  (`kernels.nvfp4_matmul_xa`: decode rows, an NVFP4 weight, a kernel that takes it). Elsewhere the caller's
+  own x @ A (`lora_xa`, concatenated in `linears`) is the faster one."""
+  if p.get("lora_a") is None or not is_nvfp4(p["w"]):
+    return False
+  import kernels  # pylint: disable=import-outside-toplevel
+  stacked, layer = _stack_and_layer(p["w"])
+  return kernels.xa_shares_launch(x_BxTxK, stacked, p["lora_a"].shape[-1], layer=layer)
 
 
 def base_matmul_xa(x_BxTxK: jax.Array, w: Any, a_KxR: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -182,11 +186,12 @@ def linear(x_BxTxK: jax.Array, p: dict[str, Any], lora_scale: float, fused: bool
   fused: with an NVFP4 weight, add the bias and the adapter's (x @ A) @ B inside the matmul kernel's
   epilogue (`kernels.nvfp4_matmul(..., bias=, lora=)`), in float32 with one rounding, instead of as separate
   XLA operations; x @ A stays in XLA. Other weights ignore it. xa_BxTxR: x @ A already computed (`linears`).
-  gemv_xa: at decode rows on an NVFP4 weight (and without ``fused``), x @ A is computed in the gemv's launch.
+  gemv_xa: at decode rows on an NVFP4 weight (and without ``fused``), x @ A is computed in the gemv's launch
+  where a kernel takes it (`_xa_in_gemv`).
   """
   w = p["w"]
   has_lora = p.get("lora_a") is not None
-  if gemv_xa and has_lora and xa_BxTxR is None and not fused and _gemv_rows(x_BxTxK, w):
+  if gemv_xa and xa_BxTxR is None and not fused and _xa_in_gemv(x_BxTxK, p):
     y, xa_f32 = base_matmul_xa(x_BxTxK, w, p["lora_a"])
     return _add_terms(y, p, xa_f32.astype(p["lora_b"].dtype), lora_scale)
   if has_lora and xa_BxTxR is None:
@@ -216,9 +221,9 @@ def linears(x_BxTxK: jax.Array, ps: Sequence[dict[str, Any]], lora_scale: float,
   rollout 8.36 -> 6.44 ms per step since 61ea4fd. Each column of x @ [A1 | A2 | ...] is the same dot as x @ Ai.
   gemv_xa (`linear`): at decode rows on NVFP4 weights each projection's gemv computes its own x @ A instead.
   """
-  if gemv_xa and not fused and all(_gemv_rows(x_BxTxK, p["w"]) for p in ps):
-    return [linear(x_BxTxK, p, lora_scale, gemv_xa=True) for p in ps]
   with_lora = [p for p in ps if p.get("lora_a") is not None]
+  if gemv_xa and not fused and with_lora and all(_xa_in_gemv(x_BxTxK, p) for p in with_lora):
+    return [linear(x_BxTxK, p, lora_scale, gemv_xa=True) for p in ps]
   dtypes = {(p["lora_a"].dtype, p["lora_b"].dtype) for p in with_lora}
   if len(with_lora) < 2 or len(dtypes) > 1:
     return [linear(x_BxTxK, p, lora_scale, fused) for p in ps]

@@ -106,7 +106,7 @@ def build_model(config, mesh=None):
   # Runtime choices, not architecture: set on the built model's config.
   model.config = model.config.replace(decode_layers=config.model.get("decode_layers", "unrolled"),
                                       fused_lora=bool(config.model.get("fused_lora", False)),
-                                      gemv_lora_xa=bool(config.model.get("gemv_lora_xa", False)))
+                                      gemv_lora_xa=bool(config.model.get("gemv_lora_xa", True)))
   return model, tokenizer
 
 
