@@ -74,7 +74,11 @@ CANDIDATES = {
                 _C(16, 128, 128, num_warps=4, num_stages=4), _C(16, 256, 128, num_warps=8, num_stages=3),
                 # Two stages: less shared memory, more programs per SM (kernel_sass at 0dcb044: 16/64/128
                 # fits 5 per SM, 20 warps, against 3 for the tuned 16/64/256 with 4 stages)
-                _C(16, 64, 128, num_warps=4, num_stages=2), _C(16, 64, 256, num_warps=4, num_stages=2)],
+                _C(16, 64, 128, num_warps=4, num_stages=2), _C(16, 64, 256, num_warps=4, num_stages=2),
+                # More programs by split-K: 7B gate at 8 rows ran 296 programs (127 registers, 60 KB: 3 fit per SM)
+                _C(16, 64, 256, num_warps=4, num_stages=4, programs_per_sm=4, ragged_split=True),
+                _C(16, 64, 256, num_warps=4, num_stages=2, programs_per_sm=4, ragged_split=True),
+                _C(16, 64, 256, num_warps=4, num_stages=2, programs_per_sm=8, ragged_split=True)],
   ("fwd", 64): [_C(64, 64, 128, num_warps=4, num_stages=4), _C(64, 128, 128, num_warps=4, num_stages=3),
                 _C(64, 64, 256, num_warps=4, num_stages=3), _C(32, 64, 256, num_warps=4, num_stages=4),
                 _C(64, 128, 128, num_warps=8, num_stages=3), _C(32, 128, 128, num_warps=4, num_stages=4),
@@ -82,7 +86,11 @@ CANDIDATES = {
                 # these 3-4 programs, 12-16 warps)
                 _C(64, 64, 128, num_warps=4, num_stages=2), _C(32, 64, 256, num_warps=4, num_stages=2),
                 # Eight warps (two warpgroups) per tile: half the decode work per thread, the same bytes
-                _C(64, 64, 256, num_warps=8, num_stages=3), _C(64, 128, 128, num_warps=8, num_stages=2)],
+                _C(64, 64, 256, num_warps=8, num_stages=3), _C(64, 128, 128, num_warps=8, num_stages=2),
+                # More programs by split-K: the tuned tile gives 7B gate 296 programs against the 4 per SM
+                # (528) its launch fits (115 registers, 37 KB; the trace at a9618a4)
+                _C(64, 64, 128, num_warps=4, num_stages=2, programs_per_sm=4),
+                _C(64, 64, 128, num_warps=4, num_stages=2, programs_per_sm=8)],
   ("fwd", 256): [_C(64, 128, 64, num_warps=4, num_stages=4), _C(128, 128, 64, num_warps=8, num_stages=3),
                  _C(64, 128, 128, num_warps=4, num_stages=3), _C(128, 64, 128, num_warps=4, num_stages=3)],
   ("fwd", 1 << 30): [_C(128, 128, 64, num_warps=8, num_stages=3), _C(128, 256, 64, num_warps=8, num_stages=3),
@@ -225,11 +233,15 @@ def _record(direction, k, n, rows, timed: Timing, bf16: Timing | None, bw, **ext
               **extra, _programs=(timed, bf16))
 
 
-def add_device_us(records: list, module_us: dict[str, float], bw: float) -> None:
+def add_device_us(records: list, module_us: dict[str, float], bw: float, launches: dict[str, str] | None = None) -> None:
   """Adds device_us / bf16_device_us (GPU kernel time per call, from a trace's {module: us}) and the speedup
-  and roofline fraction by them; drops "_programs". A program the trace did not see gets no field."""
+  and roofline fraction by them, and ``launch`` (the timed kernel's registers, shared memory, grid and
+  occupancy, from the trace's {module: launch}); drops "_programs". A program the trace did not see gets no
+  field."""
   for r in records:
     timed, bf16 = r.pop("_programs")
+    if launches and timed.module in launches:
+      r["launch"] = launches[timed.module]
     per_call = {name: module_us[t.module] / t.calls for name, t in (("device_us", timed), ("bf16_device_us", bf16))
                 if t is not None and module_us.get(t.module)}
     r.update({name: round(us, 2) for name, us in per_call.items()})
@@ -399,7 +411,8 @@ def _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag) -> l
                      sweep="xla"))
   module_us = {}
   if args.trace:
-    from experiments.profile_decode import module_kernel_us, quiet_trace  # pylint: disable=import-outside-toplevel
+    from experiments.profile_decode import (  # pylint: disable=import-outside-toplevel
+      module_kernel_us, module_launches, quiet_trace)
     programs = {t.module: t for r in case for t in r["_programs"] if t is not None and t.replay is not None}
     trace_dir = tempfile.mkdtemp(prefix="bench_kernels_trace_")
     # Only the replays run under the profiler: at e0f3129, tracing each case's compiles and timing loops too
@@ -407,9 +420,11 @@ def _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag) -> l
     with quiet_trace(trace_dir):
       for t in programs.values():
         t.replay()
-    module_us = module_kernel_us(trace_dir) if _has_trace(trace_dir) else {}
+    traced = _has_trace(trace_dir)
+    module_us = module_kernel_us(trace_dir) if traced else {}
+    launches = module_launches(trace_dir) if traced else {}
     shutil.rmtree(trace_dir, ignore_errors=True)
-  add_device_us(case, module_us, bw)
+  add_device_us(case, module_us, bw, launches if args.trace else None)
   return case
 
 

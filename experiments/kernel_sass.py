@@ -8,9 +8,11 @@ It lowers the kernel the dispatch would launch for that shape and row count on a
 ``--block`` and ``--dequant`` override it) to Triton IR the way jax does for a CUDA GPU, compiles that with
 the pip Triton for sm_90 and prints the instruction mix of the K loop, per thread and per weight: global
 loads (``LDG`` synchronous, ``LDGSTS`` async copies the software pipeline issues ahead), shared-memory
-traffic and barriers, tensor-core ops and the ALU work of the decode. XLA on the GPU builds its own Triton,
-so the SASS is close to, not identical with, what runs there; the IR is jax's own. Files (ttir, ttgir, ptx,
-sass, JSON summary) go to ``--out``.
+traffic and barriers, tensor-core ops and the ALU work of the decode. XLA on the GPU builds its own Triton
+and pipeline, so the SASS is close to, not identical with, what runs there (registers differed by 0-20% at
+a9618a4; a profiler trace states the GPU's: ``bench_kernels --trace`` records it as ``launch``); the IR is
+jax's own. Files (ttir, the TTIR after Triton's passes as .opt.ttir, ttgir, ptx, sass, JSON summary) go to
+``--out``.
 
 Found with it at 61ea4fd: the few-row tile kernel spent ~6.6 instructions per weight in its K loop, read its
 packed weights from shared memory two bytes at a time, and loaded block scales one byte at a time
@@ -99,8 +101,11 @@ def compile_sm90(ttir_path: str, num_warps: int, num_stages: int) -> dict[str, s
   import triton  # pylint: disable=import-outside-toplevel
   from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
 
-  kernel = triton.compile(ttir_path, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+  target, options = GPUTarget("cuda", 90, 32), dict(num_warps=num_warps, num_stages=num_stages)
+  optimized = os.path.splitext(ttir_path)[0] + ".opt.ttir"
+  with open(optimized, "w") as f:
+    f.write(make_ttir(ttir_path, target, options))
+  kernel = triton.compile(optimized, target=target, options=options)
   cubin = os.path.splitext(ttir_path)[0] + ".cubin"
   with open(cubin, "wb") as f:
     f.write(kernel.asm["cubin"])
@@ -109,6 +114,27 @@ def compile_sm90(ttir_path: str, num_warps: int, num_stages: int) -> dict[str, s
   usage = subprocess.run([cuobjdump, "-res-usage", cubin], check=True, capture_output=True, text=True).stdout
   return {"ttgir": kernel.asm["ttgir"], "ptx": kernel.asm["ptx"], "sass": sass,
           "shared_bytes": kernel.metadata.shared, "registers": int(re.search(r"REG:(\d+)", usage).group(1))}
+
+
+def make_ttir(ttir_path: str, target, options: dict) -> str:
+  """The module after Triton's TTIR passes (canonicalize, combine dot + add, CSE, loop unroll), as text.
+
+  ``triton.compile`` skips the passes of the stage a source file is already in, so a .ttir file goes straight
+  to the TTGIR stage; XLA's Triton pipeline (MakeTTIR in xla/backends/gpu/codegen/triton) runs them on the IR
+  jax hands it. Until they ran here (2026-12-01), this tool compiled each tile dot from a zero accumulator
+  plus a separate add, which XLA folds into the dot: the 64-row tile read 136 registers and 3 programs per
+  SM here, 96 and 5 with the passes (the H200's trace: 115 registers, 4 programs).
+  """
+  from triton.compiler import compiler as tc  # pylint: disable=import-outside-toplevel
+
+  backend = tc.make_backend(target)
+  context = tc.ir.context()
+  source = tc.IRSource(ttir_path, context, backend)
+  opts = backend.parse_options(options)
+  module = source.module
+  module.context = context
+  backend.make_ttir(module, {}, opts, target.arch)
+  return str(module)
 
 
 def programs_per_sm(registers: int, shared_bytes: int, num_warps: int) -> dict[str, int]:

@@ -81,6 +81,22 @@ def module_kernel_us(trace_dir: str) -> dict[str, float]:
   return dict(totals)
 
 
+def module_launches(trace_dir: str) -> dict[str, str]:
+  """{HLO module: the launch of its longest-running GPU kernel, as the trace states it ("regs:56
+  static_shared:0 dynamic_shared:512 grid:1184,1,1 block:128,1,1 occ_pct:56.25")}: the registers, shared
+  memory and occupancy the GPU's compiler actually gave a Pallas kernel (an offline compile can differ)."""
+  events, procs, threads = _load_trace(trace_dir)
+  best = {}
+  for e in events:
+    args = e.get("args", {})
+    if (e.get("ph") == "X" and "GPU" in procs.get(e["pid"], "") and "kernel_details" in args
+        and threads.get((e["pid"], e.get("tid")), "").startswith("Stream")):
+      module = args.get("hlo_module", "?")
+      if e["dur"] > best.get(module, (-1.0, ""))[0]:
+        best[module] = (e["dur"], args["kernel_details"])
+  return {module: launch for module, (_, launch) in best.items()}
+
+
 def _load_trace(trace_dir: str) -> tuple[list, dict, dict]:
   """A perfetto trace's events, {pid: process name} and {(pid, tid): thread name}."""
   path = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)[0]

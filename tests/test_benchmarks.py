@@ -47,8 +47,10 @@ def test_device_time_per_call_comes_from_each_timed_programs_kernels():
   kernel, bf16, lost = timing(30.0, "jit_bench_7", 40), timing(50.0, "jit_bench_8", 20), timing(9.0, "jit_bench_9", 5)
   recs = [bench_kernels._record("fwd", 256, 128, 1, kernel, bf16, bw),
           bench_kernels._record("fwd", 256, 128, 1, lost, bf16, bw)]
-  bench_kernels.add_device_us(recs, {"jit_bench_7": 800.0, "jit_bench_8": 700.0, "jit_other": 5.0}, bw)
+  bench_kernels.add_device_us(recs, {"jit_bench_7": 800.0, "jit_bench_8": 700.0, "jit_other": 5.0}, bw,
+                              {"jit_bench_7": "regs:115 occ_pct:25", "jit_bench_8": "regs:90"})
   first, second = recs
+  assert first["launch"] == "regs:115 occ_pct:25" and "launch" not in second  # the timed kernel's, not bf16's
   assert (first["us"], first["device_us"], first["bf16_device_us"], first["device_speedup"]) == (30.0, 20.0, 35.0, 1.75)
   assert first["device_roofline_frac"] == round(first["roofline_us"] / 20.0, 3) and "_programs" not in first
   assert "device_us" not in second and second["bf16_device_us"] == 35.0  # its program is not in the trace
@@ -134,9 +136,11 @@ def test_profile_decode_sums_stream_kernels_only(tmp_path):
     {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #13(Compute)"}},
     {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}},
     {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
-    {"ph": "X", "pid": 1, "tid": 7, "ts": 10.0, "dur": 5.0, "name": "nvfp4_gemv", "args": {"hlo_op": "custom-call.3"}},
+    {"ph": "X", "pid": 1, "tid": 7, "ts": 10.0, "dur": 5.0, "name": "nvfp4_gemv",
+     "args": {"hlo_op": "custom-call.3", "kernel_details": "regs:56 grid:1184,1,1 occ_pct:56.25"}},
     {"ph": "X", "pid": 1, "tid": 7, "ts": 20.0, "dur": 3.0, "name": "nvfp4_gemv", "args": {"hlo_op": "custom-call.9"}},
-    {"ph": "X", "pid": 1, "tid": 7, "ts": 30.0, "dur": 2.0, "name": "loop_add_fusion", "args": {"hlo_op": "add.1"}},
+    {"ph": "X", "pid": 1, "tid": 7, "ts": 30.0, "dur": 2.0, "name": "loop_add_fusion",
+     "args": {"hlo_op": "add.1", "kernel_details": "regs:16 grid:4,1,1"}},
     {"ph": "X", "pid": 1, "tid": 8, "ts": 10.0, "dur": 5.0, "name": "custom-call.3",
      "args": {"long_name": "custom-call.3 = bf16[1,512] custom-call(...), "
                            "custom_call_target=\"__gpu$xla.gpu.triton\""}},
@@ -152,9 +156,13 @@ def test_profile_decode_sums_stream_kernels_only(tmp_path):
   # Each kernel's first event says which HLO op it ran; the op's HLO text comes from the "XLA Ops" line.
   gemv = details["nvfp4_gemv"]
   assert gemv["hlo_op"] == "custom-call.3" and "gpu.triton" in gemv["long_name"] and gemv["calls"] == 2
-  assert details["loop_add_fusion"] == {"hlo_op": "add.1", "hlo_module": "jit_step", "calls": 1}
+  assert details["loop_add_fusion"] == {"hlo_op": "add.1", "hlo_module": "jit_step", "kernel_details": "regs:16 grid:4,1,1",
+                                        "calls": 1}
   # Per program (bench_kernels --trace): stream kernels only, by the module each ran in.
   assert profile_decode.module_kernel_us(str(tmp_path)) == {"jit_decode": 8.0, "jit_step": 2.0}
+  # And the launch of each module's longest kernel (registers, grid, occupancy as the GPU compiled it).
+  assert profile_decode.module_launches(str(tmp_path)) == {"jit_decode": "regs:56 grid:1184,1,1 occ_pct:56.25",
+                                                           "jit_step": "regs:16 grid:4,1,1"}
 
 
 def test_profile_decode_finds_a_kernels_fused_computation():
