@@ -3,10 +3,11 @@
 At 1-2 rows the tensor-core kernel spends its time decoding weights into a tile laid out for the MMA (and
 Triton's layout conversions around it) only to multiply them by a mostly empty operand. Here each decoded
 weight is used directly: it is multiplied by its x element in float32 and summed, as a matrix-vector
-product does. Two decoders: the e4m3 route (a few bit operations, half a hardware e4m3 -> 16-bit
-conversion and one conversion to float32 per weight) and inline PTX (``dequant="asm"``: the two nibble planes
-as bf16 E2M1 * scale, from bit operations and paired multiply-adds on packed words), then one fused
-multiply-add per weight and row. On an H200 at 1 row the e4m3 route was 2.1x faster than the tile kernel but
+product does. Three decoders: the e4m3 route (a few bit operations, half a hardware e4m3 -> 16-bit
+conversion and one conversion to float32 per weight), inline PTX (``dequant="asm"``: the two nibble planes
+as bf16 E2M1 * scale, from bit operations and paired multiply-adds on packed words), and the e4m3 route in
+inline PTX on whole packed words (``dequant="asm_e4m3"``: five bit operations and two conversions per four
+weights; the block scale multiplies each block's partial sum), then one fused multiply-add per weight and row. On an H200 at 1 row the e4m3 route was 2.1x faster than the tile kernel but
 still decode-bound (21-37% of the weight-streaming floor); each extra row adds a multiply-add and an x load
 per weight, so at 8 rows the tile kernel wins (experiments/RESULTS.md).
 
@@ -138,6 +139,9 @@ def _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_r
     if dequant == "asm":  # E2M1 * scale, exact in bf16, from inline PTX (no per-weight conversion)
       lo, hi = (plane.astype(jnp.float32)
                 for plane in nvfp4_tile.dequant_halves_asm(p_NxBx8, s_NxB, jnp.bfloat16))
+    elif dequant == "asm_e4m3":  # E2M1 / 64 exactly, in f16 from inline PTX on whole words; scaled per block
+      s_NxB = s_NxB.astype(jnp.float32)
+      lo, hi = (plane.astype(jnp.float32) for plane in nvfp4_tile.dequant_e4m3_asm(p_NxBx8))
     else:  # E2M1 / 64 exactly (see nvfp4_tile): the hardware e4m3 conversion does the decode
       s_NxB = s_NxB.astype(jnp.float32)
       lo_bits, hi_bits = nvfp4_tile.nibbles_to_e4m3_bits(p_NxBx8)

@@ -361,6 +361,32 @@ def test_asm_decoder_bit_logic_in_numpy(dtype):
       np.testing.assert_array_equal(got_CxS * divisor, want_CxS)
 
 
+def test_asm_e4m3_decoder_bit_logic_in_numpy(request):
+  """Emulates the e4m3-route PTX (``nvfp4_tile._ASM_E4M3``, constants read back from its text) on 32-bit words
+  of four random bytes each, every byte value present: the shift / mask steps per plane, then each byte read as
+  e4m3 (what cvt.rn.f16x2.e4m3x2 converts; e4m3 -> f16 is exact) against E2M1 / 64 of the byte's nibble, in
+  byte order (e0 = bytes 0, 1 -> $0; e1 = bytes 2, 3 -> $1). A wrong shift, mask or byte order fails here."""
+  import re
+  from kernels import nvfp4_tile
+
+  rng = _rng(request)
+  bytes_Wx4 = np.concatenate([np.arange(256, dtype=np.uint8).reshape(64, 4),
+                              rng.integers(0, 256, (64, 4), dtype=np.uint8)])
+  words = bytes_Wx4.view("<u4")[:, 0].astype(np.uint64)
+  for half, nib in (("lo", bytes_Wx4 & 15), ("hi", bytes_Wx4 >> 4)):
+    asm = nvfp4_tile._ASM_E4M3[half]
+    op, amount = re.search(r"(shl|shr)\.b32 e, \$2, (\d+);", asm).groups()
+    e = (words << int(amount)) if op == "shl" else (words >> int(amount))
+    e &= int(re.search(r"and\.b32 e, e, (0x\w+);", asm).group(1), 16)
+    sign = re.search(r"(?:shl\.b32 s, \$2, (\d+);|mov\.b32 s, \$2;)", asm)
+    s = (words << int(sign.group(1))) if sign.group(1) else words
+    s &= int(re.search(r"and\.b32 s, s, (0x\w+);", asm).group(1), 16)
+    out_Wx4 = ((e | s) & 0xFFFFFFFF).astype("<u4").view(np.uint8).reshape(-1, 4)
+    got = out_Wx4.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    np.testing.assert_array_equal(got * nvfp4_tile.CODE_DIVISOR, E2M1[nib.astype(np.int64)], err_msg=half)
+  assert nvfp4_tile.output_multiplier(jnp.float32(2.0), "asm_e4m3") == 32.0  # E2M1 / 64: the jnp route's
+
+
 def test_quantized_bf16_weight_fwd_and_grad_match_reference(request):
   """End to end on a real quantization (qerl_jax.quant.quantize) of a random bf16 weight."""
   from qerl_jax import quant
@@ -405,12 +431,14 @@ def _dispatch_configs(kind):
     # "asm" (inline PTX on the GPU) runs its layout with the jnp decode in interpret mode: the plumbing.
     "asm": (Nvfp4MatmulConfig(**tile, dequant="asm"), Nvfp4MatmulConfig(**tile, dequant="asm")),
     "asm-gemv": (Nvfp4MatmulConfig(**gemv, dequant="asm"), None),
+    # The e4m3-route PTX is the gemv's; interpret mode runs the jnp route (same values); a tile config gets "asm".
+    "asm_e4m3-gemv": (Nvfp4MatmulConfig(**gemv, dequant="asm_e4m3"), Nvfp4MatmulConfig(**tile, dequant="asm_e4m3")),
     # The gemv loading each K trip's weights one trip ahead (block_k 32: K = 128 takes four trips).
     "gemv-prefetch": (Nvfp4MatmulConfig(**gemv, prefetch=True), None),
   }[kind]
 
 
-@pytest.mark.parametrize("kind", ["halves", "gemv", "asm", "asm-gemv", "gemv-prefetch"])
+@pytest.mark.parametrize("kind", ["halves", "gemv", "asm", "asm-gemv", "asm_e4m3-gemv", "gemv-prefetch"])
 def test_decoders_and_engines_through_dispatch_and_grad(request, kind):
   fwd_config, bwd_config = _dispatch_configs(kind)
   rng = _rng(request)
@@ -430,6 +458,11 @@ def test_gemv_engine_applies_to_few_row_forwards_only():
   assert config_lib.fit(gemv, "fwd", config_lib.GEMV_MAX_ROWS, 128, 64).engine == "gemv"
   assert config_lib.fit(gemv, "fwd", config_lib.GEMV_MAX_ROWS + 1, 128, 64).engine == "tensorcore"
   assert config_lib.fit(gemv, "bwd", 1, 128, 64).engine == "tensorcore"
+  # The e4m3-route PTX decoder is the gemv's; where a tile kernel runs instead it decodes with "asm".
+  e4m3 = dataclasses.replace(gemv, dequant="asm_e4m3")
+  assert config_lib.fit(e4m3, "fwd", 1, 128, 64).dequant == "asm_e4m3"
+  assert config_lib.fit(e4m3, "fwd", config_lib.GEMV_MAX_ROWS + 1, 128, 64).dequant == "asm"
+  assert config_lib.fit(e4m3, "bwd", 1, 128, 64).dequant == "asm"
   with pytest.raises(ValueError, match="engine='simt' must be one of"):
     Nvfp4MatmulConfig(engine="simt")
 
@@ -516,6 +549,10 @@ _LOWERING_CASES = {  # name -> (direction, config, with the epilogue)
                                                      prefetch=True), False),
   "fwd-gemv-asm-ragged": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=32, split=3, engine="gemv", dequant="asm",
                                                    prefetch=True), False),  # 8 K steps as 3 + 3 + 2
+  "fwd-gemv-asm_e4m3": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv", dequant="asm_e4m3",
+                                                 num_warps=8), True),
+  "fwd-gemv-asm_e4m3-xa": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=32, split=3, engine="gemv",
+                                                    dequant="asm_e4m3"), "xa"),
   "fwd-gemv-asm-prefetch2": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=32, split=3, engine="gemv",
                                                       dequant="asm", prefetch=2), False),
   # x @ A in extra programs of the gemv launch (a ragged split of the weight, the adapter in float32).
