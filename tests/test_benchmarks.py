@@ -220,3 +220,21 @@ def test_kernel_sass_lowers_the_tuned_kernel_and_reads_its_loop():
   opcodes, classes, length = kernel_sass.loop_mix(sass)
   assert length == 4 and opcodes == {"LDG.E.U8": 1, "LOP3.LUT": 1, "HGMMA.64x16x16.F32.BF16": 1, "BRA": 1}
   assert classes["global load (sync)"] == 1 and classes["tensor core"] == 1 and classes["integer"] == 1
+
+
+def test_tuning_variant_changes_one_entry_and_refuses_bad_ones(tmp_path):
+  # experiments.tuning_variant: the H200 file with one entry's fields changed, loadable as QERL_KERNEL_TUNING.
+  from experiments import tuning_variant
+  from kernels import config as config_lib
+  out = tmp_path / "v.json"
+  assert tuning_variant.main(["--entry", "fwd:2", "--set", "dequant=asm_e4m3", "prefetch=0", "num_warps=8",
+                              "--out", str(out)]) == 0
+  base = json.load(open(config_lib._device_file("NVIDIA H200")))
+  got = json.load(open(out))
+  changed = [(b, g) for b, g in zip(base["entries"], got["entries"]) if b != g]
+  assert len(changed) == 1 and (changed[0][0]["direction"], changed[0][0]["max_rows"]) == ("fwd", 2)
+  assert changed[0][1]["config"] == {**changed[0][0]["config"], "dequant": "asm_e4m3", "prefetch": 0, "num_warps": 8}
+  with pytest.raises(ValueError, match="no single entry fwd:3"):
+    tuning_variant.variant(base, "fwd", 3, {"num_warps": 8})
+  with pytest.raises(ValueError, match="dequant"):
+    tuning_variant.variant(base, "fwd", 2, {"dequant": "nibbles"})

@@ -1,0 +1,60 @@
+"""A copy of a device's tuning file with one entry's config fields changed, for ``QERL_KERNEL_TUNING``.
+
+  python3 -m experiments.tuning_variant --entry fwd:2 --set dequant=asm_e4m3 prefetch=0 num_warps=8 \
+      --out /tmp/e4m3.json
+  QERL_KERNEL_TUNING=/tmp/e4m3.json python3 experiments/profile_decode.py --quants nvfp4 --batches 1 ...
+
+The way to try a tuning in the model (profile_decode, bench_rollout) against the unchanged file in the same
+GPU call, without editing ``kernels/tuning``. Values are parsed as JSON where they parse (8, true, 0.5), else
+kept as strings; the result is checked by loading it as the kernels would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kernels import config as config_lib
+
+
+def variant(tuning: dict, direction: str, max_rows: int, changes: dict) -> dict:
+  """``tuning`` with ``changes`` applied to the config of its (direction, max_rows) entry."""
+  out = json.loads(json.dumps(tuning))
+  entries = [e for e in out["entries"] if e["direction"] == direction and e["max_rows"] == max_rows]
+  if len(entries) != 1:
+    have = sorted((e["direction"], e["max_rows"]) for e in out["entries"])
+    raise ValueError(f"no single entry {direction}:{max_rows} in the tuning file; it has {have}")
+  entries[0]["config"].update(changes)
+  entries[0]["source"] = f"variant of the tuned entry: {changes}"
+  config_lib.Nvfp4MatmulConfig(**entries[0]["config"])  # a bad field or value fails here, naming itself
+  return out
+
+
+def _value(text: str):
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError:
+    return text
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--device", default="NVIDIA H200", help="the device kind whose tuning file to start from")
+  p.add_argument("--entry", required=True, help="direction:max_rows of the entry to change, e.g. fwd:2")
+  p.add_argument("--set", nargs="+", required=True, metavar="FIELD=VALUE")
+  p.add_argument("--out", required=True)
+  args = p.parse_args(argv)
+  direction, max_rows = args.entry.split(":")
+  changes = {k: _value(v) for k, v in (item.split("=", 1) for item in args.set)}
+  tuning = config_lib._read_json(config_lib._device_file(args.device))  # pylint: disable=protected-access
+  out = variant(tuning, direction, int(max_rows), changes)
+  with open(args.out, "w") as f:
+    json.dump(out, f, indent=1)
+  config_lib._read_json(args.out)  # pylint: disable=protected-access  # loads as the kernels would
+  print(f"{args.out}: the {args.device} file with {direction}:{max_rows} changed by {changes}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
