@@ -343,6 +343,8 @@ def main(argv=None):
                  help="also time the XLA path (dequantize, then XLA's dot) after each kernel, same shape")
   p.add_argument("--gemv", action="store_true",
                  help="at forward rows <= 16 also time every gemv-engine candidate; the fastest is reported")
+  p.add_argument("--gemv-decoders", default="",
+                 help="with --gemv: only the gemv candidates of these decoders (comma-separated, e.g. asm_e4m3)")
   p.add_argument("--trace", action="store_true",
                  help="also record each op's GPU kernel time per call (device_us) from a profiler trace, and rank "
                       "candidates by it")
@@ -360,6 +362,7 @@ def main(argv=None):
   print(f"device={device} commit={commit} copy_bandwidth={bw / 1e12:.3f} TB/s", flush=True)
   key = jax.random.key(0)
   decoders = args.decoders.split(",") if args.decoders else []
+  gemv_decoders = args.gemv_decoders.split(",") if args.gemv_decoders else []
   records, swept, bf16_cache = [], [], {}
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "a") as f:
@@ -375,7 +378,7 @@ def main(argv=None):
               cfg = config_lib.get_config(direction, rows, k, n, device)
               cands = [dataclasses.replace(cfg, dequant=d) for d in decoders or [cfg.dequant]]
               if args.gemv and direction == "fwd" and rows <= config_lib.GEMV_MAX_ROWS:
-                cands += GEMV_CANDIDATES
+                cands += [c for c in GEMV_CANDIDATES if c.dequant in gemv_decoders or not gemv_decoders]
             tag = dict(shape=f"qwen2.5-{model}.{layer}", commit=commit, device=device,
                        copy_tbps=round(bw / 1e12, 3))
             case = _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag)
