@@ -273,21 +273,28 @@ def test_few_row_forwards_shorten_k_steps_when_they_admit_no_split():
   wave = config_lib.fit(dataclasses.replace(gemv, programs_per_sm=8), "fwd", 1, 18944, 3584, auto_split=True)
   assert (wave.block_k, wave.split) == (512, 5) and config_lib.split_trips(37, 5) == (8, 5)
   assert config_lib.split_trips(14, 6) == (3, 5)  # 6 ranges of 3 would leave the last one empty
-  # Ragged ranges for the tile kernel (``ragged_split``, on in the H200 file up to 16 rows): 7B down_proj at 8 rows
-  # reaches 2 programs per SM at block_k 256 in 5 ranges (4 x 15 + 14 steps) where the power-of-two rule needs
-  # block_k 128 and gets 4 ranges. A ragged plan with fewer programs than the even one is not taken: o_proj's 14
-  # steps keep 7 even ranges (392 programs) rather than 5 ragged ones (280); k_proj's 112 go to 224.
-  tile8 = config_lib.get_config("fwd", 8, 18944, 3584, "NVIDIA H200")
-  even8 = config_lib.fit(dataclasses.replace(tile8, block_k=256, ragged_split=False, split=1), "fwd", 8, 18944,
-                         3584, auto_split=True)
+  # Ragged ranges for the tile kernel (``ragged_split``), aiming at 2 programs per SM: 7B down_proj at 8 rows
+  # reaches them at block_k 256 in 5 ranges (4 x 15 + 14 steps) where the power-of-two rule needs block_k 128
+  # and gets 4 ranges. A ragged plan with fewer programs than the even one is not taken: o_proj's 14 steps keep
+  # 7 even ranges (392 programs) rather than 5 ragged ones (280); k_proj's 112 go to 224.
+  tile = Nvfp4MatmulConfig(block_m=16, block_n=64, block_k=256, num_stages=4, dequant="asm", ragged_split=True)
+  plan = lambda cfg, m, k, n: config_lib.fit(cfg, "fwd", m, k, n, auto_split=True)  # noqa: E731
+  tile8 = plan(tile, 8, 18944, 3584)
+  even8 = plan(dataclasses.replace(tile, ragged_split=False), 8, 18944, 3584)
   assert (tile8.block_k, tile8.split, even8.block_k, even8.split) == (256, 5, 128, 4) and tile8.ragged_split
-  o8 = config_lib.get_config("fwd", 8, 3584, 3584, "NVIDIA H200")
-  k8 = config_lib.get_config("fwd", 8, 3584, 512, "NVIDIA H200")
+  o8, k8 = plan(tile, 8, 3584, 3584), plan(tile, 8, 3584, 512)
   assert (o8.block_k, o8.split, k8.block_k, k8.split) == (256, 7, 128, 28)
-  even_k8 = config_lib.fit(dataclasses.replace(k8, ragged_split=False, split=1), "fwd", 8, 3584, 512, auto_split=True)
-  assert even_k8.split == 14
-  down16 = config_lib.get_config("fwd", 16, 18944, 3584, "NVIDIA H200")
+  assert plan(dataclasses.replace(tile, ragged_split=False), 8, 3584, 512).split == 14
+  down16 = plan(tile, 16, 18944, 3584)
   assert (down16.engine, down16.block_k, down16.split) == ("tensorcore", 256, 5)
+  # The H200 file (since b72df19) aims its ragged 3-16-row tiles at 4 programs per SM: down_proj at 8 rows takes
+  # 10 ranges of 8 steps (the last 2), 560 programs, where the even plan has 4 (224); o_proj's even 14 ranges of
+  # block_k 128 (784 programs) beat any ragged plan, so it keeps them.
+  h200_down8 = config_lib.get_config("fwd", 8, 18944, 3584, "NVIDIA H200")
+  assert (h200_down8.block_k, h200_down8.split, h200_down8.programs_per_sm) == (256, 10, 4)
+  assert config_lib.split_trips(74, 10) == (8, 10)
+  h200_o8 = config_lib.get_config("fwd", 8, 3584, 3584, "NVIDIA H200")
+  assert (h200_o8.block_k, h200_o8.split) == (128, 14)
   gate = config_lib.fit(gemv, "fwd", 1, 3584, 18944, auto_split=True)
   assert (gate.block_k, gate.split) == (512, 1)  # 1184 column blocks: enough programs unsplit
   k_proj = config_lib.get_config("fwd", 1, 3584, 512, "NVIDIA H200")
