@@ -204,11 +204,15 @@ def run(args):
         for name, us in list(rec["kernels_us_per_step"].items())[:args.top]:
           print(f"   {us:9.1f} us  {100 * us / 1e3 / max(kernel_ms, 1e-9):5.1f}%  "
                 f"{details[name]['calls'] / args.steps:5.1f} calls  {name[:100]}", flush=True)
-        if args.show_hlo:  # what each top XLA fusion computes, to trace it to the model code
+        if args.show_hlo or args.hlo_out:  # what each top XLA fusion computes, to trace it to the model code
           hlo = decode.lower(gs, token, cache, jnp.int32(args.start), valid, jax.random.key(0),
                              steps_arr).compile().as_text()
           xla_kernels = [k for k in rec["kernels_us_per_step"] if "fusion" in k][:args.show_hlo]
           print("\n\n".join(fused_computation(hlo, k) for k in xla_kernels), flush=True)
+          if args.hlo_out:  # the whole optimized module, for reading offline
+            path = args.hlo_out.format(quant=quant, batch=batch)
+            with gzip.open(path, "wt") as f:
+              f.write(hlo)
   return records
 
 
@@ -229,6 +233,8 @@ def main():
   p.add_argument("--top", type=int, default=15)
   p.add_argument("--show-hlo", type=int, default=0, metavar="N",
                  help="print the HLO of the N most expensive XLA fusions (their names in the trace)")
+  p.add_argument("--hlo-out", default="", metavar="PATH",
+                 help="write each run's optimized HLO here, gzipped ({quant} and {batch} are filled in)")
   p.add_argument("--out", required=True, help="JSON file for the records")
   args = p.parse_args()
   records = run(args)
