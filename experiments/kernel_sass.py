@@ -181,6 +181,8 @@ def main(argv=None):
   p.add_argument("--ragged", action="store_true",
                  help="tile forward: re-split automatically in ragged K ranges (Nvfp4MatmulConfig.ragged_split; "
                       "with --block, from its block_k)")
+  p.add_argument("--half", action="store_true",
+                 help="gemv, e4m3-route decoder: float16 block sums (Nvfp4MatmulConfig.half_products)")
   p.add_argument("--lora-xa", type=int, default=0, metavar="RANK",
                  help="gemv: the launch that also computes x @ A for an adapter of this rank (nvfp4_matmul_xa)")
   p.add_argument("--out", default="/tmp/kernel_sass")
@@ -200,6 +202,10 @@ def main(argv=None):
     cfg = dataclasses.replace(cfg, dequant=args.dequant)
   if args.prefetch != "tuned":
     cfg = dataclasses.replace(cfg, prefetch=int({"on": "1", "off": "0"}.get(args.prefetch, args.prefetch)))
+  if args.half:
+    cfg = config_lib.fit(dataclasses.replace(cfg, half_products=True), args.direction, args.rows, k, n)
+    if not cfg.half_products:
+      raise SystemExit(f"--half needs the gemv engine and an e4m3-route decoder; the config is {cfg}")
   os.makedirs(args.out, exist_ok=True)
   base = os.path.join(args.out, f"{args.shape}.{args.direction}.{args.rows}")
   with open(base + ".ttir", "w") as f:

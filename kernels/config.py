@@ -45,6 +45,9 @@ class Nvfp4MatmulConfig:
   ragged_split: a tile forward's K ranges may be ragged (the last one shorter), so its automatic split can
   reach ``programs_per_sm`` whatever the factors of the K steps; off, it is a power of two that divides them.
   The ragged plan is kept only where it gives more programs than the even one. The gemv's are always ragged.
+  half_products: for the gemv engine with an e4m3-route decoder ("asm_e4m3", "jnp"), each NVFP4 block's 16
+  products (E2M1 / 64 times x, exact in float16 once x is scaled by a power of two per row into float16's
+  range) and their sum are float16; the sum is then scaled and accumulated in float32. Ignored elsewhere.
   engine: "tensorcore" (the tile kernels above) or "gemv" (forward only, at most GEMV_MAX_ROWS rows: each
   decoded weight meets its x element in a float32 multiply-add on the CUDA cores; block_m is unused there
   and dequant is "asm" or the e4m3 route). ``fit`` turns a gemv config into a tensor-core one where gemv
@@ -63,6 +66,7 @@ class Nvfp4MatmulConfig:
   prefetch: int = 0  # gemv: K trips whose weights are loaded ahead of the math (True = 1; see nvfp4_gemv)
   programs_per_sm: int = 2  # the automatic split's goal: this many programs per SM (``fit``)
   ragged_split: bool = False  # tile forward: ragged K ranges (the gemv's always are)
+  half_products: bool = False  # gemv, e4m3-route decoders: each block's products and sum in float16
 
   def __post_init__(self):
     if self.engine not in ENGINES:
@@ -155,8 +159,9 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
   dequant = "asm" if cfg.dequant == "asm_e4m3" and engine != "gemv" else cfg.dequant
   # "halves" contracts block_k / 2 columns per dot, and Triton's dots need at least 16.
   dequant = "jnp" if dequant in HALVES_DECODERS and block_k < 32 else dequant
+  half = cfg.half_products and engine == "gemv" and dequant in ("asm_e4m3", "jnp")
   return dataclasses.replace(cfg, block_m=block_m, block_n=block_n, block_k=block_k, split=split,
-                             dequant=dequant, engine=engine)
+                             dequant=dequant, engine=engine, half_products=half)
 
 
 def _plan_split(cfg: Nvfp4MatmulConfig, tiles: int, k: int, n: int, block_n: int, block_k: int, direction: str,

@@ -29,6 +29,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -37,22 +38,40 @@ from kernels.config import GEMV_MAX_ROWS, Nvfp4MatmulConfig
 from kernels.nvfp4_epilogue import Epilogue
 
 
-def gemv_x_layout(x_MxK: jax.Array) -> jax.Array:
-  """float32 [M, 2, K/16, 8]: [m, h, b, j] = x[m, 16b + 2j + h] (even columns, then odd ones, per block)."""
+def gemv_x_layout(x_MxK: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """[M, 2, K/16, 8] in ``dtype``: [m, h, b, j] = x[m, 16b + 2j + h] (even columns, then odd ones, per block)."""
   m, k = x_MxK.shape
-  return x_MxK.astype(jnp.float32).reshape(m, k // 16, 8, 2).transpose(0, 3, 1, 2)
+  return x_MxK.astype(dtype).reshape(m, k // 16, 8, 2).transpose(0, 3, 1, 2)
+
+
+# With ``half_products`` x is scaled per row so that its largest |value| is below 2**_HALF_X_BITS: a product
+# with E2M1 / 64 (at most 6 / 64) then stays below 384 and a block's sum of 16 below 6144, inside float16.
+_HALF_X_BITS = 12
+
+
+def half_x_layout(x_MxK: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(float16 ``gemv_x_layout`` of x / 2**e_m, float32 [M] 2**e_m): per row m the power of two that puts
+  max |x[m]| just below 2**_HALF_X_BITS. A bf16 value (8 significant bits) times an E2M1 code (2) is then an
+  exact float16 product, down to float16's smallest normal number."""
+  x32 = x_MxK.astype(jnp.float32)
+  _, exponent = jnp.frexp(jnp.max(jnp.abs(x32), axis=-1))  # max |x| < 2**exponent (0 for a zero row)
+  scale_M = jnp.exp2((exponent - _HALF_X_BITS).astype(jnp.float32))
+  return gemv_x_layout(x32 / scale_M[:, None], jnp.float16), scale_M
 
 
 def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n: int, rows: int, block_n: int,
                       block_b: int, steps: int, split: int, dequant: str = "jnp",
-                      epilogue: Epilogue = Epilogue(), prefetch: int = 0, xa: XaPlan | None = None):
+                      epilogue: Epilogue = Epilogue(), prefetch: int = 0, xa: XaPlan | None = None,
+                      half: bool = False):
   """One block_n slice of y for every row, over one split of the K blocks.
 
-  x_ref f32 [M, 2, K/16, 8]; layer_ref int32 [1]; packed_ref uint8 [L*N, K/16, 8]; scale_ref e4m3
-  [L*N, K/16]; gs_ref f32 [L] (rows layer*N .. layer*N + N are this weight); rest: the epilogue's refs
-  (``nvfp4_epilogue``), then o_ref [M, N] (x dtype) when split == 1, else float32 partials [split, M, N].
+  x_ref f32 [M, 2, K/16, 8] (half: float16 of x scaled per row, ``half_x_layout``); layer_ref int32 [1];
+  packed_ref uint8 [L*N, K/16, 8]; scale_ref e4m3 [L*N, K/16]; gs_ref f32 [L] (rows layer*N .. layer*N + N
+  are this weight); rest: the epilogue's refs (``nvfp4_epilogue``), then o_ref [M, N] (x dtype; half:
+  float32) when split == 1, else float32 partials [split, M, N].
   steps: K trips of block_b NVFP4 blocks in all, cut into ``split`` ranges (``nvfp4_tile.split_range``).
   dequant "asm" decodes with inline PTX (GPU only); any other value with the e4m3 conversion.
+  half: the e4m3-route codes, their products with x and each block's sum in float16 (``half_products``).
   prefetch: load the weights this many trips ahead (``k_loop``).
   xa: also x @ A for a LoRA adapter (``XaPlan``): rest is then (*epilogue refs, a_ref, o_ref, xa_ref), and the
   first ``xa.columns`` columns of the grid compute it (``_lora_xa_partials``) while the others do the above.
@@ -63,7 +82,7 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
     *epi_refs, o_ref = rest
     _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_n, pid_s, n=n,
                   rows=rows, block_n=block_n, block_b=block_b, steps=steps, split=split, dequant=dequant,
-                  epilogue=epilogue, prefetch=prefetch)
+                  epilogue=epilogue, prefetch=prefetch, half=half)
     return
   *epi_refs, a_ref, o_ref, xa_ref = rest
 
@@ -77,7 +96,7 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
   def _():
     _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_n - xa.columns, pid_s, n=n,
                   rows=rows, block_n=block_n, block_b=block_b, steps=steps, split=split, dequant=dequant,
-                  epilogue=epilogue, prefetch=prefetch)
+                  epilogue=epilogue, prefetch=prefetch, half=half)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +139,7 @@ def _lora_xa_partials(x_ref, a_ref, xa_ref, program, *, rows: int, plan: XaPlan)
 
 def _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_n, pid_s, *, n: int,
                   rows: int, block_n: int, block_b: int, steps: int, split: int, dequant: str, epilogue: Epilogue,
-                  prefetch: int):
+                  prefetch: int, half: bool = False):
   """Column block ``pid_n`` of y over K split ``pid_s`` (``nvfp4_gemv_kernel``'s main work)."""
   layer = layer_ref[0]
   cols_N = pid_n * block_n + jnp.arange(block_n)
@@ -143,18 +162,22 @@ def _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_r
                 for plane in nvfp4_tile.dequant_halves_asm(p_NxBx8, s_NxB, jnp.bfloat16))
     elif dequant == "asm_e4m3":  # E2M1 / 64 exactly, in f16 from inline PTX on whole words; scaled per block
       s_NxB = s_NxB.astype(jnp.float32)
-      lo, hi = (plane.astype(jnp.float32) for plane in nvfp4_tile.dequant_e4m3_asm(p_NxBx8))
+      lo, hi = (plane if half else plane.astype(jnp.float32) for plane in nvfp4_tile.dequant_e4m3_asm(p_NxBx8))
     else:  # E2M1 / 64 exactly (see nvfp4_tile): the hardware e4m3 conversion does the decode
       s_NxB = s_NxB.astype(jnp.float32)
       lo_bits, hi_bits = nvfp4_tile.nibbles_to_e4m3_bits(p_NxBx8)
-      lo = jax.lax.bitcast_convert_type(lo_bits, jnp.float8_e4m3fn).astype(jnp.float32)
-      hi = jax.lax.bitcast_convert_type(hi_bits, jnp.float8_e4m3fn).astype(jnp.float32)
+      codes = jnp.float16 if half else jnp.float32
+      lo = jax.lax.bitcast_convert_type(lo_bits, jnp.float8_e4m3fn).astype(codes)
+      hi = jax.lax.bitcast_convert_type(hi_bits, jnp.float8_e4m3fn).astype(codes)
     out = []
     for r in range(rows):
       row = jnp.int32(r)  # Pallas indexes refs with traced ints, not Python ones
       xe_Bx8 = x_ref[row, 0, blocks(i), :]
       xo_Bx8 = x_ref[row, 1, blocks(i), :]
-      block_sums_NxB = jnp.sum(lo * xe_Bx8[None] + hi * xo_Bx8[None], axis=-1)
+      prod_NxBx8 = lo * xe_Bx8[None] + hi * xo_Bx8[None]
+      # lax.reduce keeps a float16 sum in float16 (jnp.sum would add in float32, converting every product).
+      block_sums_NxB = jax.lax.reduce(prod_NxBx8, np.zeros((), prod_NxBx8.dtype), jax.lax.add, (2,)).astype(
+          jnp.float32)
       out.append(accs[r] + (block_sums_NxB if dequant == "asm" else block_sums_NxB * s_NxB))
     return tuple(out)
 
@@ -217,19 +240,27 @@ def _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, cfg: Nvfp4MatmulConfig
     raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
   kb = k // 16
   plan = None if a_KxR is None else xa_plan(k, a_KxR.shape[1], a_KxR.dtype.itemsize, cfg.split)
+  half = cfg.half_products
+  if half and epi.num_refs:
+    raise ValueError("half_products takes no kernel epilogue (bias / LoRA): its output is scaled afterwards")
   kernel = functools.partial(nvfp4_gemv_kernel, n=n, rows=m, block_n=cfg.block_n, block_b=cfg.block_k // 16,
                              steps=k // cfg.block_k, split=cfg.split,
                              dequant=nvfp4_tile.decoder(cfg.dequant, interpret), epilogue=epi,
-                             prefetch=cfg.prefetch, xa=plan)
-  operands = [gemv_x_layout(x_MxK), layer_1, packed.reshape(packed.shape[0], kb, 8), scale, gs, *epi_ops]
+                             prefetch=cfg.prefetch, xa=plan, half=half)
+  x_layout, row_scale_M = half_x_layout(x_MxK) if half else (gemv_x_layout(x_MxK), None)
+  operands = [x_layout, layer_1, packed.reshape(packed.shape[0], kb, 8), scale, gs, *epi_ops]
   extra_out, columns = (), 0
   if plan is not None:
     operands.append(a_KxR.reshape(kb, 8, 2 * plan.rank))  # row (b, j): A's rows 16b + 2j, then 16b + 2j + 1
     extra_out, columns = (jax.ShapeDtypeStruct((plan.programs, m, plan.rank), jnp.float32),), plan.columns
-  out = nvfp4_tile.launch(kernel, operands, rows=m, cols=n, split=cfg.split, dtype=x_MxK.dtype,
+  out = nvfp4_tile.launch(kernel, operands, rows=m, cols=n, split=cfg.split,
+                          dtype=jnp.float32 if half else x_MxK.dtype,
                           grid=(columns + pl.cdiv(n, cfg.block_n), cfg.split), num_warps=cfg.num_warps,
                           num_stages=cfg.num_stages, interpret=interpret, poison=poison,
                           name="nvfp4_gemv" if plan is None else "nvfp4_gemv_xa", extra_out=extra_out)
+  if half:  # x's per-row power of two comes off the float32 result, which then rounds once to x's dtype
+    unscale = lambda y: (y * row_scale_M[:, None]).astype(x_MxK.dtype)  # noqa: E731
+    out = unscale(out) if plan is None else (unscale(out[0]), out[1] * row_scale_M[None, :, None])
   if plan is None:
     return out
   y, xa_partials = out

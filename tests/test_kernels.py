@@ -88,6 +88,57 @@ FWD_CASES = [
   (1, 256, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, engine="gemv", prefetch=2)),
   (2, 160, 24, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=3, engine="gemv", dequant="asm")),
 ]
+# The gemv with float16 block sums (``half_products``): one and two rows, a ragged split with prefetch, float16 x,
+# the e4m3-route PTX decoder (interpret mode runs its jnp twin).
+HALF_CASES = [
+  (1, 256, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, engine="gemv", half_products=True)),
+  (2, 160, 40, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=2, engine="gemv", prefetch=1,
+                                               dequant="asm_e4m3", half_products=True)),
+  (3, 192, 56, jnp.float16, Nvfp4MatmulConfig(block_n=32, block_k=64, split=3, engine="gemv", half_products=True)),
+]
+
+
+def _assert_close_half(got, a, b, out_dtype):
+  """got ~ a @ b (float64) with each NVFP4 block's 16 products summed in float16: per block at most 15 roundings
+  of 2**-11 of that block's sum of |products|, one rounding to out_dtype, and overall within bf16 accuracy."""
+  got = np.asarray(jnp.asarray(got).astype(jnp.float32)).astype(np.float64)
+  a = np.asarray(jnp.asarray(a).astype(jnp.float32)).astype(np.float64)
+  want = a @ b
+  bound = np.abs(a) @ np.abs(b)
+  tol = float(jnp.finfo(out_dtype).eps) * np.abs(want) + 15 * 2.0**-11 * bound + 1e-30
+  assert not np.isnan(got).any(), "NaN in output: a tile was not written"
+  assert (np.abs(got - want) <= tol).all(), f"max err {np.abs(got - want).max()}"
+  assert np.linalg.norm(got - want) <= 4e-3 * np.linalg.norm(want)
+
+
+@pytest.mark.parametrize("m,k,n,dtype,cfg", HALF_CASES)
+def test_gemv_with_float16_block_sums_matches_oracle(request, m, k, n, dtype, cfg):
+  rng = _rng(request)
+  q = _random_q(rng, k, n)
+  # Rows far apart in size. In bf16, float16 alone would overflow the first (1e6) and flush the last (1e-7) to
+  # zero; float16 x spans less.
+  row_scale = np.array([1e6, 1.0, 1e-7] if dtype == jnp.bfloat16 else [1e3, 1.0, 1e-3])[:m, None]
+  x = jnp.asarray(rng.standard_normal((m, k)) * row_scale, dtype)
+  cfg = config_lib.fit(cfg, "fwd", m, k, n)
+  assert cfg.half_products and cfg.engine == "gemv"
+  y = nvfp4_matmul_fwd_pallas(x, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=cfg,
+                              interpret=True, poison=True)
+  assert y.shape == (m, n) and y.dtype == dtype
+  _assert_close_half(y, x, _dequant_np(q), dtype)
+
+
+def test_half_products_apply_to_the_e4m3_route_gemv_only():
+  half = Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv", half_products=True)
+  assert config_lib.fit(half, "fwd", 1, 128, 64).half_products
+  assert config_lib.fit(dataclasses.replace(half, dequant="asm_e4m3"), "fwd", 2, 128, 64).half_products
+  assert not config_lib.fit(dataclasses.replace(half, dequant="asm"), "fwd", 1, 128, 64).half_products
+  assert not config_lib.fit(half, "fwd", config_lib.GEMV_MAX_ROWS + 1, 128, 64).half_products  # a tile kernel
+  assert not config_lib.fit(half, "bwd", 1, 128, 64).half_products
+  q = _random_q(np.random.default_rng(0), 64, 32)
+  x = jnp.ones((1, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="half_products takes no kernel epilogue"):
+    nvfp4_matmul_fwd_pallas(x, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=config_lib.fit(half, "fwd", 1, 64, 32),
+                            interpret=True, bias_N=jnp.ones((32,), jnp.bfloat16))
 
 
 @pytest.mark.parametrize("m,k,n,dtype,cfg", FWD_CASES)
@@ -442,10 +493,13 @@ def _dispatch_configs(kind):
     "asm_e4m3-gemv": (Nvfp4MatmulConfig(**gemv, dequant="asm_e4m3"), Nvfp4MatmulConfig(**tile, dequant="asm_e4m3")),
     # The gemv loading each K trip's weights one trip ahead (block_k 32: K = 128 takes four trips).
     "gemv-prefetch": (Nvfp4MatmulConfig(**gemv, prefetch=True), None),
+    # float16 block sums (``half_products``): a gemv forward; the backward is the tile kernel's.
+    "gemv-half": (Nvfp4MatmulConfig(**gemv, dequant="asm_e4m3", half_products=True), None),
   }[kind]
 
 
-@pytest.mark.parametrize("kind", ["halves", "gemv", "asm", "asm-gemv", "asm_e4m3-gemv", "gemv-prefetch"])
+@pytest.mark.parametrize("kind", ["halves", "gemv", "asm", "asm-gemv", "asm_e4m3-gemv", "gemv-prefetch",
+                                  "gemv-half"])
 def test_decoders_and_engines_through_dispatch_and_grad(request, kind):
   fwd_config, bwd_config = _dispatch_configs(kind)
   rng = _rng(request)
@@ -454,7 +508,8 @@ def test_decoders_and_engines_through_dispatch_and_grad(request, kind):
   x = jnp.asarray(rng.standard_normal((3, 5, k)), jnp.bfloat16)
   f = lambda x: kernels.nvfp4_matmul(x, q, interpret=True, fwd_config=fwd_config, bwd_config=bwd_config)
   y, vjp = jax.vjp(f, x)
-  _assert_close(y.reshape(15, n), x.reshape(15, k), _dequant_np(q), jnp.bfloat16)
+  close = _assert_close_half if fwd_config.half_products else _assert_close
+  close(y.reshape(15, n), x.reshape(15, k), _dequant_np(q), jnp.bfloat16)
   dy = jnp.asarray(rng.standard_normal((3, 5, n)), jnp.bfloat16)
   (dx,) = vjp(dy)
   _assert_close(dx.reshape(15, k), dy.reshape(15, n), _dequant_np(q).T, jnp.bfloat16)
@@ -560,6 +615,10 @@ _LOWERING_CASES = {  # name -> (direction, config, with the epilogue)
                                                  num_warps=8), True),
   "fwd-gemv-asm_e4m3-xa": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=32, split=3, engine="gemv",
                                                     dequant="asm_e4m3"), "xa"),
+  "fwd-gemv-asm_e4m3-half": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv", dequant="asm_e4m3",
+                                                      half_products=True, prefetch=1), False),
+  "fwd-gemv-asm_e4m3-half-xa": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=32, split=3, engine="gemv",
+                                                         dequant="asm_e4m3", half_products=True), "xa"),
   "fwd-gemv-asm-prefetch2": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=32, split=3, engine="gemv",
                                                       dequant="asm", prefetch=2), False),
   # x @ A in extra programs of the gemv launch (a ragged split of the weight, the adapter in float32).
