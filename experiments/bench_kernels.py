@@ -127,11 +127,13 @@ GEMV_CANDIDATES += [_C(block_n=bn, block_k=bk, num_warps=w, num_stages=3, engine
                        dequant="asm_e4m3", programs_per_sm=ppsm)
                     for bn, bk, w, pf, ppsm in [(16, 256, 4, 0, 8), (16, 256, 4, 1, 8), (16, 256, 8, 0, 8),
                                                 (16, 256, 8, 0, 16), (32, 256, 8, 0, 8), (16, 512, 8, 0, 16)]]
-# Float16 block sums (half_products; kernel_sass, 7B gate at 1 row: 4.16 instructions per weight, 44 registers,
-# 10 programs per SM, against 5.34 / 54 / 9; at 2 rows with prefetch 7.31 / 64 / 8 against 9.22 / 96 / 5).
-GEMV_CANDIDATES += [_C(block_n=16, block_k=256, num_warps=4, num_stages=3, engine="gemv", prefetch=pf,
+# Float16 block sums (half_products; kernel_sass, 7B gate at 1 row: 4.12 instructions per weight, 44 registers,
+# 10 programs per SM, against 5.34 / 54 / 9; at 2 rows with prefetch 7.31 / 64 / 8 against 9.22 / 96 / 5). With 8
+# warps: 16/16/256 4.12 per weight and 30 registers, 16/32/256 3.53 and 32, both 64 warps per SM (the most).
+GEMV_CANDIDATES += [_C(block_n=bn, block_k=256, num_warps=w, num_stages=3, engine="gemv", prefetch=pf,
                        dequant="asm_e4m3", programs_per_sm=ppsm, half_products=True)
-                    for pf, ppsm in [(0, 8), (1, 8), (0, 10)]]
+                    for bn, w, pf, ppsm in [(16, 4, 0, 8), (16, 4, 1, 8), (16, 4, 0, 10), (16, 8, 0, 8),
+                                            (32, 8, 0, 8), (32, 8, 0, 4)]]
 
 
 _TAGS = itertools.count()
