@@ -385,7 +385,7 @@ def main(argv=None):
               cfg = config_lib.get_config(direction, rows, k, n, device)
               cands = [dataclasses.replace(cfg, dequant=d) for d in decoders or [cfg.dequant]]
               if args.gemv and direction == "fwd" and rows <= config_lib.GEMV_MAX_ROWS:
-                cands += [c for c in GEMV_CANDIDATES if c.dequant in gemv_decoders or not gemv_decoders]
+                cands += [c for c in GEMV_CANDIDATES if not gemv_decoders or c.dequant in gemv_decoders]
             tag = dict(shape=f"qwen2.5-{model}.{layer}", commit=commit, device=device,
                        copy_tbps=round(bw / 1e12, 3))
             case = _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag)

@@ -136,9 +136,10 @@ def test_half_products_apply_to_the_e4m3_route_gemv_only():
   assert not config_lib.fit(half, "bwd", 1, 128, 64).half_products
   q = _random_q(np.random.default_rng(0), 64, 32)
   x = jnp.ones((1, 64), jnp.bfloat16)
+  cfg = config_lib.fit(half, "fwd", 1, 64, 32)
   with pytest.raises(ValueError, match="half_products takes no kernel epilogue"):
-    nvfp4_matmul_fwd_pallas(x, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=config_lib.fit(half, "fwd", 1, 64, 32),
-                            interpret=True, bias_N=jnp.ones((32,), jnp.bfloat16))
+    nvfp4_matmul_fwd_pallas(x, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=cfg, interpret=True,
+                            bias_N=jnp.ones((32,), jnp.bfloat16))
 
 
 @pytest.mark.parametrize("m,k,n,dtype,cfg", FWD_CASES)
