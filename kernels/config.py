@@ -46,9 +46,9 @@ class Nvfp4MatmulConfig:
   reach ``programs_per_sm`` whatever the factors of the K steps; off, it is a power of two that divides them.
   The ragged plan is kept only where it gives more programs than the even one. The gemv's are always ragged.
   half_products: for the gemv engine with an e4m3-route decoder ("asm_e4m3", "jnp"), each NVFP4 block's 16
-  products (E2M1 / 64 times x, exact in float16 once x is scaled by a power of two per row into float16's
-  range) and their sum are float16; the sum is then scaled and accumulated in float32. ``fit`` drops it for
-  other engines and decoders; a gemv launch with a kernel epilogue (bias / LoRA) refuses it.
+  products (E2M1 / 64 times x, exact in float16 once the kernel scales the block's x by a power of two into
+  float16's range) and their sum are float16; the sum is then scaled and accumulated in float32. ``fit`` drops
+  it for other engines and decoders.
   engine: "tensorcore" (the tile kernels above) or "gemv" (forward only, at most GEMV_MAX_ROWS rows: each
   decoded weight meets its x element in a float32 multiply-add on the CUDA cores; block_m is unused there
   and dequant is "asm" or the e4m3 route). ``fit`` turns a gemv config into a tensor-core one where gemv

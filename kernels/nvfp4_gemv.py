@@ -44,19 +44,25 @@ def gemv_x_layout(x_MxK: jax.Array, dtype=jnp.float32) -> jax.Array:
   return x_MxK.astype(dtype).reshape(m, k // 16, 8, 2).transpose(0, 3, 1, 2)
 
 
-# With ``half_products`` x is scaled per row so that its largest |value| is below 2**_HALF_X_BITS: a product
-# with E2M1 / 64 (at most 6 / 64) then stays below 384 and a block's sum of 16 below 6144, inside float16.
+# With ``half_products`` each program scales each row's x by a power of two 2**e so that the largest |x| of its K
+# range is below 2**_HALF_X_BITS: a product with E2M1 / 64 (at most 6 / 64) then stays below 384 and a block's
+# sum of 16 below 6144, inside float16. Inside the kernel: a per-row scale computed by XLA cost more kernels
+# than the float16 sums saved (profile_decode at a8cf207, 7B batch 1: 4.31 against 3.91 ms per step); per
+# NVFP4 block it cost the K loop more instructions than it saved (kernel_sass, 7B gate at 1 row: 5.00 per
+# weight against 5.34 in float32 and 4.12 with XLA's scale).
 _HALF_X_BITS = 12
 
 
-def half_x_layout(x_MxK: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(float16 ``gemv_x_layout`` of x / 2**e_m, float32 [M] 2**e_m): per row m the power of two that puts
-  max |x[m]| just below 2**_HALF_X_BITS. A bf16 value (8 significant bits) times an E2M1 code (2) is then an
-  exact float16 product, down to float16's smallest normal number."""
-  x32 = x_MxK.astype(jnp.float32)
-  _, exponent = jnp.frexp(jnp.max(jnp.abs(x32), axis=-1))  # max |x| < 2**exponent (0 for a zero row)
-  scale_M = jnp.exp2((exponent - _HALF_X_BITS).astype(jnp.float32))
-  return gemv_x_layout(x32 / scale_M[:, None], jnp.float16), scale_M
+def half_x_powers(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(2**e, 2**-e) in float32 for max |x| = ``amax`` (any shape): the power of two that puts amax just below
+  2**_HALF_X_BITS. A bf16 or float16 value (8 or 11 significant bits) times an E2M1 code (2) is then an exact
+  float16 product, down to float16's smallest normal number (2**-26 of amax; smaller products flush to zero).
+  Read off the exponent bits: amax < 2**(E - 126) for its biased exponent E, clamped at 12 so that both powers
+  are normal floats (a zero or tiny amax gets 2**126); inf and NaN propagate."""
+  biased = jnp.maximum(jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(amax, jnp.int32), 23) & 0xFF, 12)
+  up = jax.lax.bitcast_convert_type((2 * 127 + _HALF_X_BITS - 1 - biased) << 23, jnp.float32)
+  down = jax.lax.bitcast_convert_type((biased - _HALF_X_BITS + 1) << 23, jnp.float32)
+  return up, down
 
 
 def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n: int, rows: int, block_n: int,
@@ -65,13 +71,14 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
                       half: bool = False):
   """One block_n slice of y for every row, over one split of the K blocks.
 
-  x_ref f32 [M, 2, K/16, 8] (half: float16 of x scaled per row, ``half_x_layout``); layer_ref int32 [1];
+  x_ref f32 [M, 2, K/16, 8]; layer_ref int32 [1];
   packed_ref uint8 [L*N, K/16, 8]; scale_ref e4m3 [L*N, K/16]; gs_ref f32 [L] (rows layer*N .. layer*N + N
-  are this weight); rest: the epilogue's refs (``nvfp4_epilogue``), then o_ref [M, N] (x dtype; half:
-  float32) when split == 1, else float32 partials [split, M, N].
+  are this weight); rest: the epilogue's refs (``nvfp4_epilogue``), then o_ref [M, N] (x dtype) when split == 1,
+  else float32 partials [split, M, N].
   steps: K trips of block_b NVFP4 blocks in all, cut into ``split`` ranges (``nvfp4_tile.split_range``).
   dequant "asm" decodes with inline PTX (GPU only); any other value with the e4m3 conversion.
-  half: the e4m3-route codes, their products with x and each block's sum in float16 (``half_products``).
+  half: the e4m3-route codes, their products with x and each block's sum in float16, each row's x scaled into
+  float16's range over this program's K range (``half_x_powers``; ``half_products``).
   prefetch: load the weights this many trips ahead (``k_loop``).
   xa: also x @ A for a LoRA adapter (``XaPlan``): rest is then (*epilogue refs, a_ref, o_ref, xa_ref), and the
   first ``xa.columns`` columns of the grid compute it (``_lora_xa_partials``) while the others do the above.
@@ -174,6 +181,8 @@ def _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_r
       row = jnp.int32(r)  # Pallas indexes refs with traced ints, not Python ones
       xe_Bx8 = x_ref[row, 0, blocks(i), :]
       xo_Bx8 = x_ref[row, 1, blocks(i), :]
+      if half:  # x times the row's 2**e, in float16 (the accumulator's sum takes 2**-e at the end)
+        xe_Bx8, xo_Bx8 = ((plane * x_powers[r][0]).astype(jnp.float16) for plane in (xe_Bx8, xo_Bx8))
       prod_NxBx8 = lo * xe_Bx8[None] + hi * xo_Bx8[None]
       # lax.reduce keeps a float16 sum in float16 (jnp.sum would add in float32, converting every product).
       block_sums_NxB = jax.lax.reduce(prod_NxBx8, np.zeros((), prod_NxBx8.dtype), jax.lax.add, (2,)).astype(
@@ -181,11 +190,12 @@ def _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_r
       out.append(accs[r] + (block_sums_NxB if dequant == "asm" else block_sums_NxB * s_NxB))
     return tuple(out)
 
+  x_powers = [half_x_powers(amax) for amax in _x_amax(x_ref, blocks, trips, rows)] if half else None
   zeros = tuple(jnp.zeros((block_n, block_b), jnp.float32) for _ in range(rows))
   accs = k_loop(trips, load_weights, trip, zeros, prefetch)
   multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
   for r, acc in enumerate(accs):
-    y_N = jnp.sum(acc, axis=-1) * multiplier
+    y_N = jnp.sum(acc, axis=-1) * (multiplier if x_powers is None else multiplier * x_powers[r][1])
     row = jnp.int32(r)  # Pallas indexes refs with traced ints, not Python ones
     if epilogue.num_refs:
       extra = nvfp4_epilogue.term(epi_refs, epilogue, pl.ds(row, 1), None, cols, col_mask).reshape(y_N.shape)
@@ -194,6 +204,16 @@ def _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_r
       plgpu.store(o_ref.at[row, cols], y_N.astype(o_ref.dtype), mask=col_mask)
     else:
       plgpu.store(o_ref.at[pid_s, row, cols], y_N, mask=col_mask)
+
+
+def _x_amax(x_ref, blocks, trips, rows: int) -> tuple:
+  """Per row, max |x| (a float32 scalar) over this program's K range (``blocks(0)`` .. ``blocks(trips - 1)``)."""
+  def trip(i, amaxes):
+    return tuple(jnp.maximum(amax, jnp.maximum(jnp.max(jnp.abs(x_ref[jnp.int32(r), 0, blocks(i), :])),
+                                               jnp.max(jnp.abs(x_ref[jnp.int32(r), 1, blocks(i), :]))))
+                 for r, amax in enumerate(amaxes))
+
+  return jax.lax.fori_loop(0, trips, trip, tuple(jnp.float32(0) for _ in range(rows)))
 
 
 def k_loop(trips, load_weights, trip, zeros: tuple, prefetch: int) -> tuple:
@@ -240,27 +260,20 @@ def _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, cfg: Nvfp4MatmulConfig
     raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
   kb = k // 16
   plan = None if a_KxR is None else xa_plan(k, a_KxR.shape[1], a_KxR.dtype.itemsize, cfg.split)
-  half = cfg.half_products
-  if half and epi.num_refs:
-    raise ValueError("half_products takes no kernel epilogue (bias / LoRA): its output is scaled afterwards")
   kernel = functools.partial(nvfp4_gemv_kernel, n=n, rows=m, block_n=cfg.block_n, block_b=cfg.block_k // 16,
                              steps=k // cfg.block_k, split=cfg.split,
                              dequant=nvfp4_tile.decoder(cfg.dequant, interpret), epilogue=epi,
-                             prefetch=cfg.prefetch, xa=plan, half=half)
-  x_layout, row_scale_M = half_x_layout(x_MxK) if half else (gemv_x_layout(x_MxK), None)
-  operands = [x_layout, layer_1, packed.reshape(packed.shape[0], kb, 8), scale, gs, *epi_ops]
+                             prefetch=cfg.prefetch, xa=plan, half=cfg.half_products)
+  operands = [gemv_x_layout(x_MxK), layer_1, packed.reshape(packed.shape[0], kb, 8), scale, gs, *epi_ops]
   extra_out, columns = (), 0
   if plan is not None:
     operands.append(a_KxR.reshape(kb, 8, 2 * plan.rank))  # row (b, j): A's rows 16b + 2j, then 16b + 2j + 1
     extra_out, columns = (jax.ShapeDtypeStruct((plan.programs, m, plan.rank), jnp.float32),), plan.columns
   out = nvfp4_tile.launch(kernel, operands, rows=m, cols=n, split=cfg.split,
-                          dtype=jnp.float32 if half else x_MxK.dtype,
+                          dtype=x_MxK.dtype,
                           grid=(columns + pl.cdiv(n, cfg.block_n), cfg.split), num_warps=cfg.num_warps,
                           num_stages=cfg.num_stages, interpret=interpret, poison=poison,
                           name="nvfp4_gemv" if plan is None else "nvfp4_gemv_xa", extra_out=extra_out)
-  if half:  # x's per-row power of two comes off the float32 result, which then rounds once to x's dtype
-    unscale = lambda y: (y * row_scale_M[:, None]).astype(x_MxK.dtype)  # noqa: E731
-    out = unscale(out) if plan is None else (unscale(out[0]), out[1] * row_scale_M[None, :, None])
   if plan is None:
     return out
   y, xa_partials = out

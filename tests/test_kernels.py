@@ -134,12 +134,47 @@ def test_half_products_apply_to_the_e4m3_route_gemv_only():
   assert not config_lib.fit(dataclasses.replace(half, dequant="asm"), "fwd", 1, 128, 64).half_products
   assert not config_lib.fit(half, "fwd", config_lib.GEMV_MAX_ROWS + 1, 128, 64).half_products  # a tile kernel
   assert not config_lib.fit(half, "bwd", 1, 128, 64).half_products
-  q = _random_q(np.random.default_rng(0), 64, 32)
-  x = jnp.ones((1, 64), jnp.bfloat16)
-  cfg = config_lib.fit(half, "fwd", 1, 64, 32)
-  with pytest.raises(ValueError, match="half_products takes no kernel epilogue"):
-    nvfp4_matmul_fwd_pallas(x, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=cfg, interpret=True,
-                            bias_N=jnp.ones((32,), jnp.bfloat16))
+
+
+def test_half_gemv_takes_the_bias_and_lora_epilogue(request):
+  rng = _rng(request)
+  m, k, n, r = 2, 128, 40, 4
+  q = _random_q(rng, k, n)
+  x = jnp.asarray(rng.standard_normal((m, k)) * np.array([[3e4], [1e-3]]), jnp.bfloat16)
+  xa = jnp.asarray(rng.standard_normal((m, r)), jnp.bfloat16)
+  b = jnp.asarray(rng.standard_normal((r, n)), jnp.bfloat16)
+  bias = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+  cfg = config_lib.fit(Nvfp4MatmulConfig(block_n=16, block_k=32, engine="gemv", half_products=True, split=2),
+                       "fwd", m, k, n)
+  assert cfg.half_products
+  y = nvfp4_matmul_fwd_pallas(x, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=cfg, xa_MxR=xa, b_RxN=b,
+                              bias_N=bias, lora_scale=0.5, interpret=True, poison=True)
+  f64 = lambda t: np.asarray(jnp.asarray(t, jnp.float32), np.float64)  # noqa: E731
+  w = _dequant_np(q)
+  want = f64(x) @ w + f64(bias)[None] + 0.5 * f64(xa) @ f64(b)
+  # One bf16 rounding of the sum, float16 block sums' error (as ``_assert_close_half``), float32 elsewhere.
+  tol = 2.0**-8 * np.abs(want) + 15 * 2.0**-11 * (np.abs(f64(x)) @ np.abs(w)) + 1e-6 * np.abs(want).max(axis=1,
+                                                                                                  keepdims=True)
+  err = np.abs(f64(y) - want)
+  assert (err <= tol).all(), f"max err / tol {(err / tol).max()}"
+
+
+def test_half_x_powers_put_the_largest_x_just_below_2_to_the_12(request):
+  rng = _rng(request)
+  # Magnitudes from 1e-37 to bf16's largest, zero, a float16 subnormal and float32's smallest normal.
+  amax = np.concatenate([np.exp(rng.uniform(np.log(1e-37), np.log(3e38), 200)), [0.0, 2.0**-20, 2.0**-126]])
+  amax = amax.astype(ml_dtypes.bfloat16).astype(np.float32)
+  up, down = (np.asarray(p, np.float64) for p in jax.jit(nvfp4_gemv.half_x_powers)(jnp.asarray(amax)))
+  assert (np.log2(up) == np.round(np.log2(up))).all() and (up * down == 1.0).all()
+  scaled = amax * up
+  normal = amax >= 2.0**-114  # below, the largest power (2**126) is kept
+  assert (scaled[normal] < 2.0**12).all() and (scaled[normal] >= 2.0**11).all()
+  assert (up[~normal] == 2.0**126).all()
+  # A bf16 x at most amax, scaled, is exact in float16 unless below float16's normal range (2**-26 of amax).
+  x = (amax[:, None] * rng.uniform(-1, 1, (amax.size, 64))).astype(ml_dtypes.bfloat16).astype(np.float64)
+  x16 = (x * up[:, None]).astype(np.float16).astype(np.float64)
+  big = (np.abs(x) >= amax[:, None] * 2.0**-25) & normal[:, None]
+  np.testing.assert_array_equal(x16[big] * down[:, None].repeat(64, 1)[big], x[big])
 
 
 @pytest.mark.parametrize("m,k,n,dtype,cfg", FWD_CASES)

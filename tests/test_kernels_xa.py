@@ -21,7 +21,7 @@ CASES = [
   (2, 64, 24, 4, jnp.float32, Nvfp4MatmulConfig(block_n=16, block_k=16, split=4, engine="gemv")),
   (1, 256, 32, 64, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=64, split=1, engine="gemv")),  # 4 per trip
   (1, 1536, 32, 16, jnp.float32, Nvfp4MatmulConfig(block_n=16, block_k=64, split=2, engine="gemv")),
-  # float16 block sums: the x @ A programs read the same per-row scaled float16 x, then undo the scale.
+  # float16 block sums (x scaled per block inside the weight programs): the x @ A programs read float32 x.
   (2, 160, 40, 8, jnp.float32, Nvfp4MatmulConfig(block_n=16, block_k=32, split=3, engine="gemv", dequant="asm_e4m3",
                                                  half_products=True)),
 ]
