@@ -12,8 +12,8 @@ from qerl_jax.model.testing import fresh_seed
 from tests.test_kernels import _dequant_np, _random_q
 
 # (rows, K, N, rank, A dtype, config): one and two rows, a K split that is ragged (5 steps in 3 ranges) and one
-# that is even, N not a multiple of block_n, more x @ A slots than steps of A (K = 64: 4 blocks), rank 64, and
-# three x @ A programs in two columns of a split of 2 (K = 1536 at rank 16 in float32: 96 KB of A).
+# that is even, N not a multiple of block_n, more x @ A programs than steps of A (K = 64: 4 blocks), rank 64, and
+# four x @ A programs in two columns of a split of 2 (K = 1536 at rank 16 in float32: 96 KB of A).
 CASES = [
   (1, 256, 48, 16, jnp.float32, Nvfp4MatmulConfig(block_n=16, block_k=32, split=1, engine="gemv")),
   (2, 160, 40, 8, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=3, engine="gemv", prefetch=1)),
@@ -21,7 +21,7 @@ CASES = [
   (2, 64, 24, 4, jnp.float32, Nvfp4MatmulConfig(block_n=16, block_k=16, split=4, engine="gemv")),
   (1, 256, 32, 64, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=64, split=1, engine="gemv")),  # 4 per trip
   (1, 1536, 32, 16, jnp.float32, Nvfp4MatmulConfig(block_n=16, block_k=64, split=2, engine="gemv")),
-  # float16 block sums (x scaled per block inside the weight programs): the x @ A programs read float32 x.
+  # float16 block sums (each weight program scales its rows of x itself): the x @ A programs read float32 x.
   (2, 160, 40, 8, jnp.float32, Nvfp4MatmulConfig(block_n=16, block_k=32, split=3, engine="gemv", dequant="asm_e4m3",
                                                  half_products=True)),
 ]
@@ -112,9 +112,8 @@ def test_bad_adapter_shapes_and_configs_are_named():
 
 def test_xa_plan_covers_k_with_programs_of_about_32_kb():
   # 7B at rank 16 in float32: q/o/gate/up (K = 3584, 229 KB) in 7 programs, down (K = 18944, 1.2 MB) in 37,
-  # whatever the K split (the columns hold split slots each, the last one partly idle); every step of A lands
-  # in exactly one program.
-  for k, split, columns, programs in ((3584, 1, 7, 7), (3584, 5, 2, 7), (18944, 5, 8, 37), (3584, 28, 1, 7)):
+  # rounded up to whole grid columns of the K split; every step of A lands in exactly one program.
+  for k, split, columns, programs in ((3584, 1, 7, 7), (3584, 5, 2, 10), (18944, 5, 8, 40), (3584, 28, 1, 28)):
     plan = nvfp4_gemv.xa_plan(k, 16, 4, split)
     assert (plan.columns, plan.programs) == (columns, programs), (k, split, plan)
     covered = [t for p in range(plan.programs) for t in range(p * plan.per, min(plan.steps, (p + 1) * plan.per))]
