@@ -313,6 +313,35 @@ def bench_xla(direction, k, n, rows, key, bf16_cache, bw, dtype=jnp.bfloat16):
                  config={"block_n": 0, "block_k": 0, "split": 0, "num_warps": 0, "engine": "xla"})
 
 
+# Mosaic GPU kernel candidates for --mosaic (kernels/nvfp4_mgpu.py; untimed at its first commit): pipeline depth
+# and K per step. tile_m is the smallest wgmma N that holds the rows (at most 128; more rows add programs).
+MOSAIC_CANDIDATES = [(2, 256), (3, 256), (4, 256), (2, 512), (3, 512)]
+
+
+def _mosaic_tile_m(rows: int) -> int:
+  return next((t for t in (8, 16, 32, 64) if rows <= t), 128)
+
+
+def bench_mosaic(k, n, rows, stages, tile_k, key, bf16_cache, bw, dtype=jnp.bfloat16):
+  """Checks (float32 reference, relative error < 1e-2) and times the Mosaic GPU forward kernel; returns a record."""
+  from kernels import nvfp4_mgpu  # pylint: disable=import-outside-toplevel
+  cfg = nvfp4_mgpu.MgpuConfig(tile_m=_mosaic_tile_m(rows), tile_k=tile_k, stages=stages)
+  ws, a = _case("fwd", k, n, rows, key, dtype)
+  op = lambda x, w: nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(x, *w, config=cfg, interpret=_INTERPRET)  # noqa: E731
+  t0 = time.perf_counter()
+  out = jax.jit(op)(a, ws[0]).astype(jnp.float32)
+  ref = jnp.dot(a.astype(jnp.float32), _dequant_f32_KxN(*ws[0]), precision=jax.lax.Precision.HIGHEST)
+  err = float(jnp.linalg.norm(out - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
+  compile_s = time.perf_counter() - t0
+  if not err < 1e-2:
+    raise RuntimeError(f"mosaic k={k} n={n} rows={rows} {cfg}: relative error {err}")
+  timed = _time_loop(op, a, ws)
+  config = dict(dataclasses.asdict(cfg), block_n=nvfp4_mgpu.TILE_N, block_k=tile_k, split=1, num_warps=4,
+                engine="mosaic")
+  return _record("fwd", k, n, rows, timed, bf16_cache.get(("fwd", k, n, rows)), bw,
+                 check_rel_err=float(f"{err:.3g}"), config=config, first_call_s=round(compile_s, 2))
+
+
 def _bucket(direction, rows):
   for (d, max_rows) in sorted(CANDIDATES, key=lambda t: (t[0], t[1])):
     if d == direction and rows <= max_rows:
@@ -355,6 +384,8 @@ def main(argv=None):
   p.add_argument("--trace", action="store_true",
                  help="also record each op's GPU kernel time per call (device_us) from a profiler trace, and rank "
                       "candidates by it")
+  p.add_argument("--mosaic", action="store_true",
+                 help="also time the Mosaic GPU forward kernel (kernels/nvfp4_mgpu.py) candidates, same shape")
   p.add_argument("--decoders", default="",
                  help="comma-separated tile decoders to time on each tuned config, or with --sweep on each "
                       "candidate (e.g. jnp,halves,asm)")
@@ -398,6 +429,9 @@ def main(argv=None):
             if kernels:
               records.append(min(kernels, key=_rank_us))
             records += [r for r in case if r["implementation"] == "xla"]
+            mosaic = [r for r in case if r["implementation"] == "mosaic"]
+            if mosaic:
+              records.append(min(mosaic, key=_rank_us))
   print(_summary(records))
   if args.sweep and args.tuning_out:
     with open(args.tuning_out, "w") as g:
@@ -424,6 +458,17 @@ def _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag) -> l
             flush=True)
       continue
     case.append(dict(rec, **tag, implementation="pallas", sweep="gemv" if args.gemv else bool(args.sweep)))
+  if args.mosaic and direction == "fwd":
+    for stages, tile_k in MOSAIC_CANDIDATES:
+      if k % tile_k or n % 64:
+        continue
+      try:
+        rec = bench_mosaic(k, n, rows, stages, tile_k, key, bf16_cache, bw)
+      except Exception as e:  # keep going: an unsupported layout or shape must not lose the run
+        print(f"FAILED {tag['shape']} mosaic rows={rows} stages={stages} tile_k={tile_k}: {type(e).__name__}: "
+              f"{str(e)[:400]}", flush=True)
+        continue
+      case.append(dict(rec, **tag, implementation="mosaic", sweep="mosaic"))
   if args.xla:
     case.append(dict(bench_xla(direction, k, n, rows, key, bf16_cache, bw), **tag, implementation="xla",
                      sweep="xla"))

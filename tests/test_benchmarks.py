@@ -40,6 +40,20 @@ def test_bench_kernels_times_tile_gemv_and_xla_paths_after_checking_them(tmp_pat
       assert r["check_rel_err"] < 1e-2
 
 
+@pytest.mark.slow  # ~40 s: Mosaic GPU's interpreter simulates threads; the kernel's own tests run in CI
+def test_bench_kernels_times_the_mosaic_kernel_after_checking_it(tmp_path, monkeypatch):
+  from experiments import bench_kernels
+  # K = 256 and N = 64: the Mosaic GPU kernel's smallest shape (the "tiny" model's K = 96 does not take it).
+  monkeypatch.setitem(bench_kernels.MODELS, "tiny256", {"down": (256, 64)})
+  monkeypatch.setattr(bench_kernels, "MOSAIC_CANDIDATES", bench_kernels.MOSAIC_CANDIDATES[:1])
+  out = tmp_path / "kernels.jsonl"
+  bench_kernels.main(["--interpret", "--models", "tiny256", "--layers", "down", "--rows", "3", "--directions", "fwd",
+                      "--mosaic", "--out", str(out)])
+  mosaic = [r for r in _lines(out) if r["implementation"] == "mosaic"]
+  assert len(mosaic) == 1 and mosaic[0]["config"]["engine"] == "mosaic" and mosaic[0]["config"]["tile_m"] == 8
+  assert mosaic[0]["check_rel_err"] < 1e-2 and (mosaic[0]["k"], mosaic[0]["n"], mosaic[0]["rows"]) == (256, 64, 3)
+
+
 def test_device_time_per_call_comes_from_each_timed_programs_kernels():
   from experiments import bench_kernels
   timing = bench_kernels.Timing

@@ -1,0 +1,171 @@
+"""NVFP4 weight-only matmul in Pallas Mosaic GPU (Hopper): the weight decoded in registers as wgmma's A operand.
+
+Experimental, forward only, not in the dispatch (``kernels.nvfp4_matmul``) until the GPU has timed it
+(``experiments/bench_kernels.py --mosaic``). Why a second backend: at 8-64 rows the Triton tile kernels are
+latency-bound, not byte- or issue-bound (7B gate at 64 rows: ~15 M warp instructions, ~15 us of issue, 55.6 us
+measured; kernels/NOTES.md item 3). Triton decodes the weight, writes it to shared memory in the MMA's layout,
+and re-reads it with byte re-packing; it cannot take wgmma's A operand from registers for a computed value.
+Mosaic GPU gives the layouts to the kernel: the 4-bit codes travel by TMA into shared memory, load into
+registers in a layout that relayouts to wgmma's A fragment by shuffles of packed words, are decoded there,
+scaled per NVFP4 block and fed to wgmma directly. This is the design of Marlin / Machete on Hopper, and of
+jax's own int8 x bf16 ``hopper_mixed_type_matmul_mgpu``.
+
+Computed transposed: y^T [N, M] = dequant(W)^T [N, K] @ x^T [K, M], so that the weight's output columns are
+wgmma's M (64 per warpgroup) and x's rows its N (``tile_m``: 8 to 128, so few rows cost little). Each program
+owns 64 output columns and ``tile_m`` rows; ``plgpu.emit_pipeline`` streams K in ``tile_k`` steps (x, codes,
+scales by TMA, ``stages`` in flight). Per NVFP4 block of 16 (one wgmma of K = 16, x in a 32-byte swizzle):
+codes -> bf16 bits reading E2M1 * 2**-126 (the subnormal 0.5 included: 16-bit float arithmetic keeps
+subnormals on the GPU, as in ``nvfp4_tile``'s PTX), times the block scale * 2**106, so the operand is
+E2M1 * scale * 2**-20, exact in bf16; 2**20 / global_scale multiplies the float32 result.
+
+Layouts on the way in: the packed weight [N, K/2] uint8 is read as int4 [N, K] (low nibble first, as XLA packs
+int4: byte j holds columns 2j and 2j + 1, NVFP4's order); the scales are passed as [K/16, N] so each block's
+64 scales are one contiguous row (a transposed copy per call, 1/16 of the codes' elements: a layout to store
+once if this kernel wins).
+
+Interpret mode (``interpret=True``, Mosaic GPU's CPU interpreter) runs the same pipeline, indexing, block
+scales and accumulation. Three things differ, because the interpreter lacks them: wgmma reads A and B from
+shared memory (copied there), x is transposed by value, and the codes decode arithmetically to E2M1 * 2**-20
+(XLA on the CPU flushes bf16 subnormals). The GPU path itself is checked by lowering it for CUDA on the CPU
+(Mosaic GPU validates its layouts then) and against a float32 reference on the GPU before any timing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+TILE_N = 64  # output columns per program: wgmma's M for one warpgroup
+_BLOCK = 16  # NVFP4 block: K per wgmma, and per block scale
+_X_SWIZZLE = 32  # bytes: x's K-minor rows in 16-element (one block) swizzle groups, so wgmma may take K = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+  """tile_m: x rows per program (wgmma's N; rows are padded up to it). tile_k: K per pipeline step (at least 256,
+  so a step's 16 block scales per column fill TMA's 16-byte minimum row). stages: pipeline steps in flight."""
+
+  tile_m: int = 64
+  tile_k: int = 256
+  stages: int = 2
+
+  def __post_init__(self):
+    if self.tile_m not in (8, 16, 32, 64, 128):
+      raise ValueError(f"tile_m={self.tile_m} must be one of 8, 16, 32, 64, 128 (wgmma's N)")
+    if self.tile_k < 256 or self.tile_k % 256:
+      raise ValueError(f"tile_k={self.tile_k} must be a multiple of 256 (16 block scales per TMA row)")
+    if self.stages < 1:
+      raise ValueError(f"stages={self.stages} must be at least 1")
+
+
+def nvfp4_matmul_fwd_mgpu(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array, global_scale: jax.Array,
+                          *, config: MgpuConfig = MgpuConfig(), interpret: bool = False) -> jax.Array:
+  """y [M, N] = x @ dequant(W) in x's dtype (bf16), W as packed uint8 [N, K/2], e4m3 scales [N, K/16] and the
+  float32 global scale (``qerl_jax.quant.quantize(w, "nvfp4")``). N must be a multiple of 64, K of tile_k."""
+  m, k = _check(x_MxK, packed_NxKh, scale_NxKb, config)
+  n = packed_NxKh.shape[0]
+  tile_m, tile_k = config.tile_m, config.tile_k
+  m_pad = -(-m // tile_m) * tile_m
+  x_pad = jnp.pad(x_MxK, ((0, m_pad - m), (0, 0))) if m_pad != m else x_MxK
+  codes_NxK = jax.lax.bitcast_convert_type(packed_NxKh, jnp.int4).reshape(n, k)
+  scale_KbxN = jax.lax.bitcast_convert_type(scale_NxKb, jnp.uint8).T
+  kernel = _kernel(n, m_pad, k, config, interpret)
+  yT_NxM = kernel(x_pad, codes_NxK, scale_KbxN)
+  multiplier = jnp.float32(2.0 ** 20) / jnp.asarray(global_scale, jnp.float32).reshape(())
+  return (yT_NxM[:, :m].T * multiplier).astype(x_MxK.dtype)
+
+
+def _check(x_MxK, packed_NxKh, scale_NxKb, config: MgpuConfig) -> tuple[int, int]:
+  if x_MxK.ndim != 2 or x_MxK.dtype != jnp.bfloat16:
+    raise ValueError(f"x must be 2-D bfloat16 [M, K], got {x_MxK.dtype}{list(x_MxK.shape)}")
+  m, k = x_MxK.shape
+  if packed_NxKh.dtype != jnp.uint8 or packed_NxKh.ndim != 2 or packed_NxKh.shape[1] * 2 != k:
+    raise ValueError(f"packed weight must be uint8 [N, K/2 = {k // 2}], got {packed_NxKh.dtype}"
+                     f"{list(packed_NxKh.shape)}")
+  n = packed_NxKh.shape[0]
+  if scale_NxKb.shape != (n, k // _BLOCK) or scale_NxKb.dtype != jnp.float8_e4m3fn:
+    raise ValueError(f"scales must be float8_e4m3fn [N, K/16] = [{n}, {k // _BLOCK}], got {scale_NxKb.dtype}"
+                     f"{list(scale_NxKb.shape)}")
+  if n % TILE_N:
+    raise ValueError(f"N={n} (out_features) must be a multiple of {TILE_N} for the Mosaic GPU kernel")
+  if k % config.tile_k:
+    raise ValueError(f"K={k} (in_features) must be a multiple of tile_k={config.tile_k}")
+  if m < 1:
+    raise ValueError(f"x has no rows: {list(x_MxK.shape)}")
+  return m, k
+
+
+def _kernel(n: int, m_pad: int, k: int, cfg: MgpuConfig, interpret: bool):
+  """The plgpu.kernel: (x [M', K] bf16, codes int4 [N, K], scales uint8 [K/16, N]) -> y^T float32 [N, M']."""
+  tile_m, tile_k = cfg.tile_m, cfg.tile_k
+  blocks = tile_k // _BLOCK
+  codes_swizzle = plgpu.find_swizzle(tile_k * 4, "lhs")
+  codes_transforms = (plgpu.TilingTransform((8, codes_swizzle * 2)), plgpu.SwizzleTransform(codes_swizzle))
+  x_transforms = (plgpu.TilingTransform((8, _X_SWIZZLE // 2)), plgpu.SwizzleTransform(_X_SWIZZLE))
+  if interpret:  # the interpreter reads neither transforms nor layouts: the same data, plain
+    codes_transforms = x_transforms = ()
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per output column (wgmma's M), as the A fragment holds
+
+  def body(x_gmem, codes_gmem, scale_gmem, o_gmem, o_smem, *interpret_smem):
+    ni, mi = jax.lax.axis_index("n"), jax.lax.axis_index("m")
+
+    def acc_scope(acc_ref):
+      def step(_, x_smem, codes_smem, scale_smem):  # one tile_k of K: x [tile_m, tile_k], codes [64, tile_k]
+        w_bf = _decoded_codes(codes_smem, interpret)
+        for b in range(blocks):
+          s = scale_smem[b] if interpret else plgpu.load(scale_smem.at[b], (), layout=row_layout)
+          # e4m3 -> float32 (Hopper's ptxas converts e4m3 to f16 only), times 2**106, exact in bf16.
+          s_bf = (jax.lax.bitcast_convert_type(s, jnp.float8_e4m3fn).astype(jnp.float32)
+                  * np.float32(1.0 if interpret else 2.0 ** 106)).astype(jnp.bfloat16)
+          a = w_bf[:, b * _BLOCK:(b + 1) * _BLOCK] * jax.lax.broadcast_in_dim(s_bf, (TILE_N, _BLOCK), (0,))
+          x_block = x_smem.at[:, pl.ds(b * _BLOCK, _BLOCK)]
+          if interpret:
+            a_smem, xT_smem = interpret_smem
+            a_smem[...] = a
+            xT_smem[...] = x_block[...].T
+            plgpu.wgmma(acc_ref, a_smem, xT_smem)
+          else:
+            plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_block, (1, 0)))
+        plgpu.wgmma_wait(0)
+
+      plgpu.emit_pipeline(
+          step, grid=(k // tile_k,), max_concurrent_steps=cfg.stages,
+          in_specs=[plgpu.BlockSpec((tile_m, tile_k), lambda kk: (mi, kk), transforms=x_transforms),
+                    plgpu.BlockSpec((TILE_N, tile_k), lambda kk: (ni, kk), transforms=codes_transforms),
+                    plgpu.BlockSpec((blocks, TILE_N), lambda kk: (kk, ni))],
+      )(x_gmem, codes_gmem, scale_gmem)
+      o_smem[...] = acc_ref[...]
+
+    pl.run_scoped(acc_scope, plgpu.ACC((TILE_N, tile_m), jnp.float32))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(ni * TILE_N, TILE_N), pl.ds(mi * tile_m, tile_m)])
+    plgpu.wait_smem_to_gmem(0)
+
+  def _decoded_codes(codes_smem, interpret: bool):
+    """bf16 [64, tile_k]: E2M1 * 2**-126 from the bits on the GPU; E2M1 * 2**-20 by arithmetic in interpret."""
+    if interpret:
+      c = codes_smem[...].astype(jnp.int16) & 0xF
+      i = (c & 7).astype(jnp.float32)
+      mag = jnp.where(i < 4, i * 0.5, jnp.where(i == 7, 6.0, i - 2.0))  # E2M1's magnitudes by code
+      return (jnp.where((c & 8) != 0, -mag, mag) * np.float32(2.0 ** -20)).astype(jnp.bfloat16)
+    # The 4-bit codes relayout to the A fragment while packed (shuffles of 32-bit words), then widen.
+    codes = plgpu.layout_cast(plgpu.load(codes_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X), wgmma_layout)
+    c = codes.astype(jnp.int16) & 0xF
+    bits = ((c & 8) << 12) | ((c & 7) << 6)  # the sign to bit 15; exponent and mantissa bits to 8..6
+    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+  scratch = [plgpu.SMEM((TILE_N, tile_m), jnp.float32)]
+  if interpret:
+    scratch += [plgpu.SMEM((TILE_N, _BLOCK), jnp.bfloat16), plgpu.SMEM((_BLOCK, tile_m), jnp.bfloat16)]
+  params = None
+  if interpret:
+    from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params  # pylint: disable=C0415
+    params = interpret_params.InterpretGPUParams()
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((n, m_pad), jnp.float32), scratch_types=scratch,
+                      grid=(n // TILE_N, m_pad // tile_m), grid_names=("n", "m"), interpret=params)

@@ -1,0 +1,72 @@
+"""The Mosaic GPU NVFP4 kernel (`kernels/nvfp4_mgpu.py`): Mosaic GPU's interpreter against NumPy, the CUDA lowering
+of the GPU path (where Mosaic GPU checks its register layouts), and bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import nvfp4_mgpu
+from kernels.nvfp4_mgpu import MgpuConfig
+from qerl_jax.model.testing import fresh_seed
+from tests.test_kernels import _dequant_np, _random_q
+
+# (rows, K, N, config): rows padded up to the tile (5 of 8, 20 of 32), one pipeline step and several, two column
+# programs and three, three stages in flight, tile_k 512.
+CASES = [
+  (5, 512, 128, MgpuConfig(tile_m=8)),
+  (64, 256, 64, MgpuConfig(tile_m=64)),
+  (20, 768, 192, MgpuConfig(tile_m=32, stages=3)),
+  (16, 1024, 64, MgpuConfig(tile_m=16, tile_k=512)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_interpreted_kernel_matches_numpy(case):
+  rows, k, n, cfg = CASES[case]
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  q = _random_q(rng, k, n)  # every nibble value, e4m3 scales across their range (subnormals included)
+  x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+  y = nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(x, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=cfg, interpret=True)
+  assert y.shape == (rows, n) and y.dtype == jnp.bfloat16
+  want = np.asarray(x, np.float64) @ _dequant_np(q)
+  got = np.asarray(y.astype(jnp.float32), np.float64)
+  # The operand E2M1 * scale * 2**-20 is exact in bf16 and the products add in float32: what is left is the
+  # output's one rounding to bf16 (2**-8 relative) and float32 sums (1e-6 of sum |x| |w|).
+  bound = 2.0**-8 * np.abs(want) + 1e-6 * (np.abs(np.asarray(x, np.float64)) @ np.abs(_dequant_np(q)))
+  assert (np.abs(got - want) <= bound).all(), f"{seed=}: max err / bound {(np.abs(got - want) / bound).max()}"
+
+
+@pytest.mark.parametrize("tile_m", [8, 64])
+def test_gpu_path_lowers_for_cuda(tile_m):
+  """The GPU path (register layouts, the bit decode, wgmma with A in registers) as Mosaic GPU lowers it for CUDA;
+  a layout it cannot relayout or an operand wgmma cannot take fails here, on the CPU."""
+  k, n = 512, 128
+  q = _random_q(np.random.default_rng(0), k, n)
+  x = jnp.ones((tile_m, k), jnp.bfloat16)
+  f = lambda *a: nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(*a, config=MgpuConfig(tile_m=tile_m))  # noqa: E731
+  text = jax.jit(f).trace(x, q.packed_NxKh, q.scale_NxKb, q.global_scale).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu") >= 1, text[:2000]
+
+
+def test_bad_inputs_are_named():
+  q = _random_q(np.random.default_rng(0), 512, 128)
+  w = (q.packed_NxKh, q.scale_NxKb, q.global_scale)
+  x = jnp.ones((4, 512), jnp.bfloat16)
+  with pytest.raises(ValueError, match="2-D bfloat16"):
+    nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(x.astype(jnp.float16), *w)
+  with pytest.raises(ValueError, match="K/2 = 128"):
+    nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(jnp.ones((4, 256), jnp.bfloat16), *w)
+  with pytest.raises(ValueError, match="multiple of tile_k=1024"):
+    nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(x, *w, config=MgpuConfig(tile_k=1024))
+  q96 = _random_q(np.random.default_rng(0), 512, 96)
+  with pytest.raises(ValueError, match="N=96"):
+    nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(x, q96.packed_NxKh, q96.scale_NxKb, q96.global_scale)
+  with pytest.raises(ValueError, match="float8_e4m3fn"):
+    nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(x, q.packed_NxKh, q.scale_NxKb.astype(jnp.float32), q.global_scale)
+  with pytest.raises(ValueError, match="tile_m=24"):
+    MgpuConfig(tile_m=24)
+  with pytest.raises(ValueError, match="tile_k=128"):
+    MgpuConfig(tile_k=128)
