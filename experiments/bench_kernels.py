@@ -314,7 +314,8 @@ def bench_xla(direction, k, n, rows, key, bf16_cache, bw, dtype=jnp.bfloat16):
 
 
 # Mosaic GPU kernel candidates for --mosaic (kernels/nvfp4_mgpu.py; untimed at its first commit): pipeline depth
-# and K per step. tile_m is the smallest wgmma N that holds the rows (at most 128; more rows add programs).
+# and K per step. tile_m is the smallest wgmma N that holds the rows (at most 128; more rows add programs); the
+# K split is ``auto_split``'s.
 MOSAIC_CANDIDATES = [(2, 256), (3, 256), (4, 256), (2, 512), (3, 512)]
 
 
@@ -326,6 +327,8 @@ def bench_mosaic(k, n, rows, stages, tile_k, key, bf16_cache, bw, dtype=jnp.bflo
   """Checks (float32 reference, relative error < 1e-2) and times the Mosaic GPU forward kernel; returns a record."""
   from kernels import nvfp4_mgpu  # pylint: disable=import-outside-toplevel
   cfg = nvfp4_mgpu.MgpuConfig(tile_m=_mosaic_tile_m(rows), tile_k=tile_k, stages=stages)
+  sms = getattr(jax.devices()[0], "core_count", 132) or 132
+  cfg = dataclasses.replace(cfg, split=nvfp4_mgpu.auto_split(rows, k, n, cfg, num_sms=sms))
   ws, a = _case("fwd", k, n, rows, key, dtype)
   op = lambda x, w: nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(x, *w, config=cfg, interpret=_INTERPRET)  # noqa: E731
   t0 = time.perf_counter()

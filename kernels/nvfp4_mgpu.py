@@ -48,11 +48,13 @@ _X_SWIZZLE = 32  # bytes: x's K-minor rows in 16-element (one block) swizzle gro
 @dataclasses.dataclass(frozen=True)
 class MgpuConfig:
   """tile_m: x rows per program (wgmma's N; rows are padded up to it). tile_k: K per pipeline step (at least 256,
-  so a step's 16 block scales per column fill TMA's 16-byte minimum row). stages: pipeline steps in flight."""
+  so a step's 16 block scales per column fill TMA's 16-byte minimum row). stages: pipeline steps in flight.
+  split: the K steps cut into this many equal ranges, one program each (``auto_split`` picks one)."""
 
   tile_m: int = 64
   tile_k: int = 256
   stages: int = 2
+  split: int = 1  # K ranges run by separate programs (float32 partials, summed outside): more programs at small N
 
   def __post_init__(self):
     if self.tile_m not in (8, 16, 32, 64, 128):
@@ -61,6 +63,22 @@ class MgpuConfig:
       raise ValueError(f"tile_k={self.tile_k} must be a multiple of 256 (16 block scales per TMA row)")
     if self.stages < 1:
       raise ValueError(f"stages={self.stages} must be at least 1")
+    if self.split < 1:
+      raise ValueError(f"split={self.split} must be at least 1")
+
+
+def auto_split(rows: int, k: int, n: int, cfg: MgpuConfig, num_sms: int = 132, per_sm: int = 2) -> int:
+  """The smallest split of the K steps into equal ranges that gives ``per_sm`` programs per SM (7B q/o at 8 rows
+  have 56 column programs for 132 SMs, k/v 8), as long as the float32 partials stay within a quarter of the
+  weight's bytes (else the largest split that does): they are written, then read again to be summed."""
+  steps = k // cfg.tile_k
+  m_pad = -(-rows // cfg.tile_m) * cfg.tile_m
+  programs = (n // TILE_N) * (m_pad // cfg.tile_m)
+  want = -(-num_sms * per_sm // programs)
+  weight_bytes = n * k // 2 + n * k // _BLOCK
+  cap = max(1, weight_bytes // 4 // (4 * n * m_pad))
+  divisors = [d for d in range(1, steps + 1) if steps % d == 0 and d <= cap]
+  return next((d for d in divisors if d >= want), divisors[-1])
 
 
 def nvfp4_matmul_fwd_mgpu(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array, global_scale: jax.Array,
@@ -75,9 +93,9 @@ def nvfp4_matmul_fwd_mgpu(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: 
   codes_NxK = jax.lax.bitcast_convert_type(packed_NxKh, jnp.int4).reshape(n, k)
   scale_KbxN = jax.lax.bitcast_convert_type(scale_NxKb, jnp.uint8).T
   kernel = _kernel(n, m_pad, k, config, interpret)
-  yT_NxM = kernel(x_pad, codes_NxK, scale_KbxN)
+  yT_SxNxM = kernel(x_pad, codes_NxK, scale_KbxN)
   multiplier = jnp.float32(2.0 ** 20) / jnp.asarray(global_scale, jnp.float32).reshape(())
-  return (yT_NxM[:, :m].T * multiplier).astype(x_MxK.dtype)
+  return (yT_SxNxM.sum(axis=0)[:, :m].T * multiplier).astype(x_MxK.dtype)
 
 
 def _check(x_MxK, packed_NxKh, scale_NxKb, config: MgpuConfig) -> tuple[int, int]:
@@ -95,14 +113,19 @@ def _check(x_MxK, packed_NxKh, scale_NxKb, config: MgpuConfig) -> tuple[int, int
     raise ValueError(f"N={n} (out_features) must be a multiple of {TILE_N} for the Mosaic GPU kernel")
   if k % config.tile_k:
     raise ValueError(f"K={k} (in_features) must be a multiple of tile_k={config.tile_k}")
+  if (k // config.tile_k) % config.split:
+    raise ValueError(f"K={k} has {k // config.tile_k} steps of tile_k={config.tile_k}: not {config.split} equal "
+                     f"ranges (split={config.split})")
   if m < 1:
     raise ValueError(f"x has no rows: {list(x_MxK.shape)}")
   return m, k
 
 
 def _kernel(n: int, m_pad: int, k: int, cfg: MgpuConfig, interpret: bool):
-  """The plgpu.kernel: (x [M', K] bf16, codes int4 [N, K], scales uint8 [K/16, N]) -> y^T float32 [N, M']."""
+  """The plgpu.kernel: (x [M', K] bf16, codes int4 [N, K], scales uint8 [K/16, N]) -> float32 partials of y^T
+  [split, N, M'], one per K range."""
   tile_m, tile_k = cfg.tile_m, cfg.tile_k
+  range_steps = k // tile_k // cfg.split
   blocks = tile_k // _BLOCK
   codes_swizzle = plgpu.find_swizzle(tile_k * 4, "lhs")
   codes_transforms = (plgpu.TilingTransform((8, codes_swizzle * 2)), plgpu.SwizzleTransform(codes_swizzle))
@@ -113,7 +136,8 @@ def _kernel(n: int, m_pad: int, k: int, cfg: MgpuConfig, interpret: bool):
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per output column (wgmma's M), as the A fragment holds
 
   def body(x_gmem, codes_gmem, scale_gmem, o_gmem, o_smem, *interpret_smem):
-    ni, mi = jax.lax.axis_index("n"), jax.lax.axis_index("m")
+    ni, mi, si = jax.lax.axis_index("n"), jax.lax.axis_index("m"), jax.lax.axis_index("s")
+    k0 = si * range_steps  # this program's first K step
 
     def acc_scope(acc_ref):
       def step(_, x_smem, codes_smem, scale_smem):  # one tile_k of K: x [tile_m, tile_k], codes [64, tile_k]
@@ -135,16 +159,16 @@ def _kernel(n: int, m_pad: int, k: int, cfg: MgpuConfig, interpret: bool):
         plgpu.wgmma_wait(0)
 
       plgpu.emit_pipeline(
-          step, grid=(k // tile_k,), max_concurrent_steps=cfg.stages,
-          in_specs=[plgpu.BlockSpec((tile_m, tile_k), lambda kk: (mi, kk), transforms=x_transforms),
-                    plgpu.BlockSpec((TILE_N, tile_k), lambda kk: (ni, kk), transforms=codes_transforms),
-                    plgpu.BlockSpec((blocks, TILE_N), lambda kk: (kk, ni))],
+          step, grid=(range_steps,), max_concurrent_steps=cfg.stages,
+          in_specs=[plgpu.BlockSpec((tile_m, tile_k), lambda kk: (mi, k0 + kk), transforms=x_transforms),
+                    plgpu.BlockSpec((TILE_N, tile_k), lambda kk: (ni, k0 + kk), transforms=codes_transforms),
+                    plgpu.BlockSpec((blocks, TILE_N), lambda kk: (k0 + kk, ni))],
       )(x_gmem, codes_gmem, scale_gmem)
       o_smem[...] = acc_ref[...]
 
     pl.run_scoped(acc_scope, plgpu.ACC((TILE_N, tile_m), jnp.float32))
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(ni * TILE_N, TILE_N), pl.ds(mi * tile_m, tile_m)])
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(ni * TILE_N, TILE_N), pl.ds(mi * tile_m, tile_m)])
     plgpu.wait_smem_to_gmem(0)
 
   def _decoded_codes(codes_smem, interpret: bool):
@@ -167,5 +191,6 @@ def _kernel(n: int, m_pad: int, k: int, cfg: MgpuConfig, interpret: bool):
   if interpret:
     from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params  # pylint: disable=C0415
     params = interpret_params.InterpretGPUParams()
-  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((n, m_pad), jnp.float32), scratch_types=scratch,
-                      grid=(n // TILE_N, m_pad // tile_m), grid_names=("n", "m"), interpret=params)
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((cfg.split, n, m_pad), jnp.float32),
+                      scratch_types=scratch, grid=(n // TILE_N, m_pad // tile_m, cfg.split),
+                      grid_names=("n", "m", "s"), interpret=params)

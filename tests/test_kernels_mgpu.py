@@ -12,12 +12,14 @@ from qerl_jax.model.testing import fresh_seed
 from tests.test_kernels import _dequant_np, _random_q
 
 # (rows, K, N, config): rows padded up to the tile (5 of 8, 20 of 32), one pipeline step and several, two column
-# programs and three, three stages in flight, tile_k 512.
+# programs and three, three stages in flight, tile_k 512, K split in 2 and 3 ranges (float32 partials).
 CASES = [
   (5, 512, 128, MgpuConfig(tile_m=8)),
   (64, 256, 64, MgpuConfig(tile_m=64)),
   (20, 768, 192, MgpuConfig(tile_m=32, stages=3)),
   (16, 1024, 64, MgpuConfig(tile_m=16, tile_k=512)),
+  (3, 1536, 64, MgpuConfig(tile_m=8, split=3, stages=2)),
+  (9, 1024, 128, MgpuConfig(tile_m=16, split=2)),
 ]
 
 
@@ -38,14 +40,14 @@ def test_interpreted_kernel_matches_numpy(case):
   assert (np.abs(got - want) <= bound).all(), f"{seed=}: max err / bound {(np.abs(got - want) / bound).max()}"
 
 
-@pytest.mark.parametrize("tile_m", [8, 64])
-def test_gpu_path_lowers_for_cuda(tile_m):
+@pytest.mark.parametrize("tile_m,split", [(8, 1), (64, 2)])
+def test_gpu_path_lowers_for_cuda(tile_m, split):
   """The GPU path (register layouts, the bit decode, wgmma with A in registers) as Mosaic GPU lowers it for CUDA;
   a layout it cannot relayout or an operand wgmma cannot take fails here, on the CPU."""
   k, n = 512, 128
   q = _random_q(np.random.default_rng(0), k, n)
   x = jnp.ones((tile_m, k), jnp.bfloat16)
-  f = lambda *a: nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(*a, config=MgpuConfig(tile_m=tile_m))  # noqa: E731
+  f = lambda *a: nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(*a, config=MgpuConfig(tile_m=tile_m, split=split))  # noqa: E731
   text = jax.jit(f).trace(x, q.packed_NxKh, q.scale_NxKb, q.global_scale).lower(
       lowering_platforms=("cuda",)).as_text()
   assert text.count("mosaic_gpu") >= 1, text[:2000]
@@ -70,3 +72,17 @@ def test_bad_inputs_are_named():
     MgpuConfig(tile_m=24)
   with pytest.raises(ValueError, match="tile_k=128"):
     MgpuConfig(tile_k=128)
+  with pytest.raises(ValueError, match="not 3 equal ranges"):
+    nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(x, *w, config=MgpuConfig(split=3))
+
+
+def test_auto_split_fills_the_gpu_with_whole_ranges():
+  cfg = MgpuConfig(tile_m=8)
+  # 7B q/o at 8 rows: 56 column programs and 14 steps of K; 132 SMs x 2 want 5, so the split is 7 (392 programs).
+  assert nvfp4_mgpu.auto_split(8, 3584, 3584, cfg) == 7
+  assert nvfp4_mgpu.auto_split(8, 3584, 18944, cfg) == 1  # gate: 296 programs already
+  assert nvfp4_mgpu.auto_split(8, 3584, 512, cfg) == 14  # k/v: 8 programs, at most one step each
+  # down at 64 rows: 56 programs and 74 steps (2 x 37). 37 ranges would write 34 MB of partials for a 38 MB
+  # weight; a quarter of it allows 2.
+  assert nvfp4_mgpu.auto_split(64, 18944, 3584, MgpuConfig(tile_m=64)) == 2
+  assert nvfp4_mgpu.auto_split(8, 18944, 3584, cfg) == 37  # at 8 rows the partials are 4 MB
