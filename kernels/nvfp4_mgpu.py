@@ -25,9 +25,10 @@ once if this kernel wins).
 
 Interpret mode (``interpret=True``, Mosaic GPU's CPU interpreter) runs the same pipeline, indexing, block
 scales and accumulation. Three things differ, because the interpreter lacks them: wgmma reads A and B from
-shared memory (copied there), x is transposed by value, and the codes decode arithmetically to E2M1 * 2**-20
-(XLA on the CPU flushes bf16 subnormals). The GPU path itself is checked by lowering it for CUDA on the CPU
-(Mosaic GPU validates its layouts then) and against a float32 reference on the GPU before any timing.
+shared memory (copied there), x is transposed by value, and the codes decode by compares and selects to
+E2M1 * 2**-20 (``decode="arith"``: XLA on the CPU flushes bf16 subnormals; the GPU may run it too). The GPU
+path itself is checked by lowering it for CUDA on the CPU (Mosaic GPU validates its layouts then) and against a
+float32 reference on the GPU before any timing.
 """
 
 from __future__ import annotations
@@ -49,12 +50,14 @@ _X_SWIZZLE = 32  # bytes: x's K-minor rows in 16-element (one block) swizzle gro
 class MgpuConfig:
   """tile_m: x rows per program (wgmma's N; rows are padded up to it). tile_k: K per pipeline step (at least 256,
   so a step's 16 block scales per column fill TMA's 16-byte minimum row). stages: pipeline steps in flight.
-  split: the K steps cut into this many equal ranges, one program each (``auto_split`` picks one)."""
+  split: the K steps cut into this many equal ranges, one program each (``auto_split`` picks one).
+  decode: how the 4-bit codes become bf16 (``_decoded_codes``); interpret mode always runs "arith"."""
 
   tile_m: int = 64
   tile_k: int = 256
   stages: int = 2
   split: int = 1  # K ranges run by separate programs (float32 partials, summed outside): more programs at small N
+  decode: str = "bits"  # "bits" (E2M1 * 2**-126 from bit operations) | "arith" (compares and selects; no subnormal)
 
   def __post_init__(self):
     if self.tile_m not in (8, 16, 32, 64, 128):
@@ -65,6 +68,8 @@ class MgpuConfig:
       raise ValueError(f"stages={self.stages} must be at least 1")
     if self.split < 1:
       raise ValueError(f"split={self.split} must be at least 1")
+    if self.decode not in ("bits", "arith"):
+      raise ValueError(f"decode={self.decode!r} must be 'bits' or 'arith'")
 
 
 def auto_split(rows: int, k: int, n: int, cfg: MgpuConfig, num_sms: int = 132, per_sm: int = 2) -> int:
@@ -133,6 +138,8 @@ def _kernel(n: int, m_pad: int, k: int, cfg: MgpuConfig, interpret: bool):
   if interpret:  # the interpreter reads neither transforms nor layouts: the same data, plain
     codes_transforms = x_transforms = ()
   wgmma_layout = plgpu.Layout.WGMMA
+  decode = "arith" if interpret else cfg.decode
+  scale_power = np.float32(2.0 ** 106 if decode == "bits" else 1.0)  # the decoded codes' 2**-126 or 2**-20
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per output column (wgmma's M), as the A fragment holds
 
   def body(x_gmem, codes_gmem, scale_gmem, o_gmem, o_smem, *interpret_smem):
@@ -141,12 +148,12 @@ def _kernel(n: int, m_pad: int, k: int, cfg: MgpuConfig, interpret: bool):
 
     def acc_scope(acc_ref):
       def step(_, x_smem, codes_smem, scale_smem):  # one tile_k of K: x [tile_m, tile_k], codes [64, tile_k]
-        w_bf = _decoded_codes(codes_smem, interpret)
+        w_bf = _decoded_codes(codes_smem)
         for b in range(blocks):
           s = scale_smem[b] if interpret else plgpu.load(scale_smem.at[b], (), layout=row_layout)
-          # e4m3 -> float32 (Hopper's ptxas converts e4m3 to f16 only), times 2**106, exact in bf16.
-          s_bf = (jax.lax.bitcast_convert_type(s, jnp.float8_e4m3fn).astype(jnp.float32)
-                  * np.float32(1.0 if interpret else 2.0 ** 106)).astype(jnp.bfloat16)
+          # e4m3 -> float32 (Hopper's ptxas converts e4m3 to f16 only), times 2**106 for "bits", exact in bf16.
+          s_bf = (jax.lax.bitcast_convert_type(s, jnp.float8_e4m3fn).astype(jnp.float32) * scale_power).astype(
+              jnp.bfloat16)
           a = w_bf[:, b * _BLOCK:(b + 1) * _BLOCK] * jax.lax.broadcast_in_dim(s_bf, (TILE_N, _BLOCK), (0,))
           x_block = x_smem.at[:, pl.ds(b * _BLOCK, _BLOCK)]
           if interpret:
@@ -171,18 +178,20 @@ def _kernel(n: int, m_pad: int, k: int, cfg: MgpuConfig, interpret: bool):
     plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(ni * TILE_N, TILE_N), pl.ds(mi * tile_m, tile_m)])
     plgpu.wait_smem_to_gmem(0)
 
-  def _decoded_codes(codes_smem, interpret: bool):
-    """bf16 [64, tile_k]: E2M1 * 2**-126 from the bits on the GPU; E2M1 * 2**-20 by arithmetic in interpret."""
+  def _decoded_codes(codes_smem):
+    """bf16 [64, tile_k], either E2M1 * 2**-126 from bit operations ("bits": the sign to bit 15, the exponent and
+    mantissa bits to 8..6, the subnormal 0.5 included, which 16-bit float arithmetic keeps on the GPU), or
+    E2M1 * 2**-20 from compares and selects ("arith": no subnormal; XLA on the CPU flushes them)."""
     if interpret:
-      c = codes_smem[...].astype(jnp.int16) & 0xF
-      i = (c & 7).astype(jnp.float32)
-      mag = jnp.where(i < 4, i * 0.5, jnp.where(i == 7, 6.0, i - 2.0))  # E2M1's magnitudes by code
-      return (jnp.where((c & 8) != 0, -mag, mag) * np.float32(2.0 ** -20)).astype(jnp.bfloat16)
-    # The 4-bit codes relayout to the A fragment while packed (shuffles of 32-bit words), then widen.
-    codes = plgpu.layout_cast(plgpu.load(codes_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X), wgmma_layout)
+      codes = codes_smem[...]
+    else:  # the 4-bit codes relayout to the A fragment while packed (shuffles of 32-bit words), then widen
+      codes = plgpu.layout_cast(plgpu.load(codes_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X), wgmma_layout)
     c = codes.astype(jnp.int16) & 0xF
-    bits = ((c & 8) << 12) | ((c & 7) << 6)  # the sign to bit 15; exponent and mantissa bits to 8..6
-    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+    if decode == "bits":
+      return jax.lax.bitcast_convert_type(((c & 8) << 12) | ((c & 7) << 6), jnp.bfloat16)
+    i = (c & 7).astype(jnp.float32)
+    mag = jnp.where(i < 4, i * 0.5, jnp.where(i == 7, 6.0, i - 2.0))  # E2M1's magnitudes by code
+    return (jnp.where((c & 8) != 0, -mag, mag) * np.float32(2.0 ** -20)).astype(jnp.bfloat16)
 
   scratch = [plgpu.SMEM((TILE_N, tile_m), jnp.float32)]
   if interpret:

@@ -40,14 +40,15 @@ def test_interpreted_kernel_matches_numpy(case):
   assert (np.abs(got - want) <= bound).all(), f"{seed=}: max err / bound {(np.abs(got - want) / bound).max()}"
 
 
-@pytest.mark.parametrize("tile_m,split", [(8, 1), (64, 2)])
-def test_gpu_path_lowers_for_cuda(tile_m, split):
+@pytest.mark.parametrize("tile_m,split,decode", [(8, 1, "bits"), (64, 2, "bits"), (16, 1, "arith")])
+def test_gpu_path_lowers_for_cuda(tile_m, split, decode):
   """The GPU path (register layouts, the bit decode, wgmma with A in registers) as Mosaic GPU lowers it for CUDA;
   a layout it cannot relayout or an operand wgmma cannot take fails here, on the CPU."""
   k, n = 512, 128
   q = _random_q(np.random.default_rng(0), k, n)
   x = jnp.ones((tile_m, k), jnp.bfloat16)
-  f = lambda *a: nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(*a, config=MgpuConfig(tile_m=tile_m, split=split))  # noqa: E731
+  cfg = MgpuConfig(tile_m=tile_m, split=split, decode=decode)
+  f = lambda *a: nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(*a, config=cfg)  # noqa: E731
   text = jax.jit(f).trace(x, q.packed_NxKh, q.scale_NxKb, q.global_scale).lower(
       lowering_platforms=("cuda",)).as_text()
   assert text.count("mosaic_gpu") >= 1, text[:2000]
@@ -72,6 +73,8 @@ def test_bad_inputs_are_named():
     MgpuConfig(tile_m=24)
   with pytest.raises(ValueError, match="tile_k=128"):
     MgpuConfig(tile_k=128)
+  with pytest.raises(ValueError, match="decode='lut'"):
+    MgpuConfig(decode="lut")
   with pytest.raises(ValueError, match="not 3 equal ranges"):
     nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(x, *w, config=MgpuConfig(split=3))
 
