@@ -19,7 +19,7 @@ _TUNING_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 _DEFAULT_NUM_SMS = 132
 DECODERS = ("jnp", "halves", "asm", "asm_e4m3")
 HALVES_DECODERS = ("halves", "asm")  # the decoders that split x (or dx) into even and odd columns
-ENGINES = ("tensorcore", "gemv")
+ENGINES = ("tensorcore", "gemv", "mosaic")
 # The gemv engine unrolls its rows (one accumulator each); past this many the tensor-core kernel runs.
 GEMV_MAX_ROWS = 16
 
@@ -52,7 +52,10 @@ class Nvfp4MatmulConfig:
   engine: "tensorcore" (the tile kernels above) or "gemv" (forward only, at most GEMV_MAX_ROWS rows: each
   decoded weight meets its x element in a float32 multiply-add on the CUDA cores; block_m is unused there
   and dequant is "asm" or the e4m3 route). ``fit`` turns a gemv config into a tensor-core one where gemv
-  does not apply.
+  does not apply. "mosaic" (experimental, untimed): the Pallas Mosaic GPU forward kernel (``nvfp4_mgpu``),
+  bf16 x, N a multiple of 64 and K of 256; it reads block_m as its largest row tile (8-128), block_k as its K
+  step (256 or 512), num_stages as its pipeline depth, and splits K itself. ``fit`` gives the heuristic
+  config where it does not apply; so does the forward for other dtypes and stacked weights.
   """
 
   block_m: int = 16
@@ -63,7 +66,7 @@ class Nvfp4MatmulConfig:
   num_warps: int = 4
   num_stages: int = 3
   dequant: str = "jnp"  # "jnp" | "halves" (portable) | "asm" | "asm_e4m3" (gemv) (inline PTX, GPU only)
-  engine: str = "tensorcore"  # "tensorcore" | "gemv"
+  engine: str = "tensorcore"  # "tensorcore" | "gemv" | "mosaic" (experimental)
   prefetch: int = 0  # gemv: K trips whose weights are loaded ahead of the math (True = 1; see nvfp4_gemv)
   programs_per_sm: int = 2  # the automatic split's goal: this many programs per SM (``fit``)
   ragged_split: bool = False  # tile forward: ragged K ranges (the gemv's always are)
@@ -138,6 +141,8 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
   """
   if k % 16:
     raise ValueError(f"{k=} must be a multiple of 16 (the NVFP4 block)")
+  if cfg.engine == "mosaic":
+    return cfg if mosaic_applies(cfg, direction, k, n) else heuristic_config(direction, m, k, n, num_sms=num_sms)
   engine = cfg.engine
   if engine == "gemv" and (direction != "fwd" or m > GEMV_MAX_ROWS):
     engine = "tensorcore"
@@ -163,6 +168,11 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
   half = cfg.half_products and engine == "gemv" and dequant in ("asm_e4m3", "jnp")
   return dataclasses.replace(cfg, block_m=block_m, block_n=block_n, block_k=block_k, split=split,
                              dequant=dequant, engine=engine, half_products=half)
+
+
+def mosaic_applies(cfg: Nvfp4MatmulConfig, direction: str, k: int, n: int) -> bool:
+  """Whether the Mosaic GPU kernel takes this call (forward; N a multiple of 64, K of its K step)."""
+  return direction == "fwd" and n % 64 == 0 and cfg.block_k in (256, 512) and k % cfg.block_k == 0
 
 
 def _plan_split(cfg: Nvfp4MatmulConfig, tiles: int, k: int, n: int, block_n: int, block_k: int, direction: str,

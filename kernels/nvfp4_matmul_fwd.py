@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels import nvfp4_epilogue, nvfp4_tile
+from kernels import config as config_lib, nvfp4_epilogue, nvfp4_tile
 from kernels.config import HALVES_DECODERS, Nvfp4MatmulConfig
 from kernels.nvfp4_epilogue import Epilogue
 from kernels.nvfp4_gemv import nvfp4_gemv_pallas
@@ -121,6 +121,9 @@ def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb
   poison: start from a NaN-filled output (aliased in place), so a tile the kernel fails to write shows up.
   """
   epi_ops, epi = nvfp4_epilogue.operands(xa_MxR, b_RxN, bias_N, lora_scale)
+  if config.engine == "mosaic":
+    return _mosaic(x_MxK, packed_NxKh, scale_NxKb, global_scale, config, interpret, layer, xa_MxR, b_RxN, bias_N,
+                   lora_scale)
   if config.engine == "gemv":
     return nvfp4_gemv_pallas(x_MxK, packed_NxKh, scale_NxKb, global_scale, config=config, interpret=interpret,
                              poison=poison, layer=layer, epilogue=(epi_ops, epi))
@@ -140,3 +143,24 @@ def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb
   return nvfp4_tile.launch(kernel, [x_in, *weight_operands, *epi_ops], rows=m, cols=n, split=cfg.split,
                            dtype=x_MxK.dtype, grid=(num_m * num_n, cfg.split), num_warps=cfg.num_warps,
                            num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_matmul_fwd")
+
+
+def _mosaic(x_MxK, packed_NxKh, scale_NxKb, global_scale, cfg, interpret, layer, xa_MxR, b_RxN, bias_N, lora_scale):
+  """The Mosaic GPU kernel (engine "mosaic", experimental): one 2-D bf16 weight; the epilogue's terms are added
+  to its float32 result and rounded once, as the Triton kernels' epilogue does. Stacked weights and other dtypes
+  take the heuristic config instead (the kernel reads no layer index)."""
+  from kernels import nvfp4_mgpu  # pylint: disable=import-outside-toplevel
+  m, k = x_MxK.shape
+  n = packed_NxKh.shape[-2]
+  if packed_NxKh.ndim != 2 or x_MxK.dtype != jnp.bfloat16:
+    fallback = config_lib.heuristic_config("fwd", m, k, n)
+    return nvfp4_matmul_fwd_pallas(x_MxK, packed_NxKh, scale_NxKb, global_scale, config=fallback,
+                                   interpret=interpret, layer=layer, xa_MxR=xa_MxR, b_RxN=b_RxN, bias_N=bias_N,
+                                   lora_scale=lora_scale)
+  mcfg = nvfp4_mgpu.from_matmul_config(cfg, m, k, n)
+  y = nvfp4_mgpu.matmul_f32(x_MxK, packed_NxKh, scale_NxKb, global_scale, config=mcfg, interpret=interpret)
+  if xa_MxR is not None:
+    y = y + lora_scale * (xa_MxR.astype(jnp.float32) @ b_RxN.astype(jnp.float32))
+  if bias_N is not None:
+    y = y + bias_N.astype(jnp.float32)
+  return y.astype(x_MxK.dtype)

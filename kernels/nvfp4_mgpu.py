@@ -1,7 +1,9 @@
 """NVFP4 weight-only matmul in Pallas Mosaic GPU (Hopper): the weight decoded in registers as wgmma's A operand.
 
-Experimental, forward only, not in the dispatch (``kernels.nvfp4_matmul``) until the GPU has timed it
-(``experiments/bench_kernels.py --mosaic``). Why a second backend: at 8-64 rows the Triton tile kernels are
+Experimental, forward only, and off by default until the GPU has timed it (``experiments/bench_kernels.py
+--mosaic``): ``kernels.nvfp4_matmul`` runs it for a config with ``engine="mosaic"``, e.g. a tuning file entry
+(``experiments/tuning_variant.py --entry fwd:64 --set engine=mosaic``, then ``QERL_KERNEL_TUNING``); the
+backward stays the tile kernel's. Why a second backend: at 8-64 rows the Triton tile kernels are
 latency-bound, not byte- or issue-bound (7B gate at 64 rows: ~15 M warp instructions, ~15 us of issue, 55.6 us
 measured; kernels/NOTES.md item 3). Triton decodes the weight, writes it to shared memory in the MMA's layout,
 and re-reads it with byte re-packing; it cannot take wgmma's A operand from registers for a computed value.
@@ -86,10 +88,26 @@ def auto_split(rows: int, k: int, n: int, cfg: MgpuConfig, num_sms: int = 132, p
   return next((d for d in divisors if d >= want), divisors[-1])
 
 
+def from_matmul_config(cfg, m: int, k: int, n: int, num_sms: int = 132) -> MgpuConfig:
+  """The MgpuConfig an ``Nvfp4MatmulConfig`` with engine "mosaic" stands for at this shape: the smallest row tile
+  that holds m rows (at most block_m, 8-128), block_k as the K step, num_stages as the depth, ``auto_split``."""
+  cap = max(8, min(128, cfg.block_m))
+  tile_m = next((t for t in (8, 16, 32, 64, 128) if t >= min(m, cap)), 128)
+  out = MgpuConfig(tile_m=tile_m, tile_k=cfg.block_k, stages=cfg.num_stages)
+  return dataclasses.replace(out, split=auto_split(m, k, n, out, num_sms=num_sms))
+
+
 def nvfp4_matmul_fwd_mgpu(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array, global_scale: jax.Array,
                           *, config: MgpuConfig = MgpuConfig(), interpret: bool = False) -> jax.Array:
   """y [M, N] = x @ dequant(W) in x's dtype (bf16), W as packed uint8 [N, K/2], e4m3 scales [N, K/16] and the
   float32 global scale (``qerl_jax.quant.quantize(w, "nvfp4")``). N must be a multiple of 64, K of tile_k."""
+  return matmul_f32(x_MxK, packed_NxKh, scale_NxKb, global_scale, config=config, interpret=interpret).astype(
+      x_MxK.dtype)
+
+
+def matmul_f32(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array, global_scale: jax.Array, *,
+               config: MgpuConfig, interpret: bool = False) -> jax.Array:
+  """``nvfp4_matmul_fwd_mgpu`` before its rounding: float32 [M, N] (an epilogue adds to it first)."""
   m, k = _check(x_MxK, packed_NxKh, scale_NxKb, config)
   n = packed_NxKh.shape[0]
   tile_m, tile_k = config.tile_m, config.tile_k
@@ -100,7 +118,7 @@ def nvfp4_matmul_fwd_mgpu(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: 
   kernel = _kernel(n, m_pad, k, config, interpret)
   yT_SxNxM = kernel(x_pad, codes_NxK, scale_KbxN)
   multiplier = jnp.float32(2.0 ** 20) / jnp.asarray(global_scale, jnp.float32).reshape(())
-  return (yT_SxNxM.sum(axis=0)[:, :m].T * multiplier).astype(x_MxK.dtype)
+  return yT_SxNxM.sum(axis=0)[:, :m].T * multiplier
 
 
 def _check(x_MxK, packed_NxKh, scale_NxKb, config: MgpuConfig) -> tuple[int, int]:

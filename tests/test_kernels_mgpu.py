@@ -6,7 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import nvfp4_mgpu
+import kernels
+from kernels import config as config_lib, nvfp4_mgpu
+from kernels.config import Nvfp4MatmulConfig
 from kernels.nvfp4_mgpu import MgpuConfig
 from qerl_jax.model.testing import fresh_seed
 from tests.test_kernels import _dequant_np, _random_q
@@ -89,3 +91,53 @@ def test_auto_split_fills_the_gpu_with_whole_ranges():
   # weight; a quarter of it allows 2.
   assert nvfp4_mgpu.auto_split(64, 18944, 3584, MgpuConfig(tile_m=64)) == 2
   assert nvfp4_mgpu.auto_split(8, 18944, 3584, cfg) == 37  # at 8 rows the partials are 4 MB
+
+
+MOSAIC = Nvfp4MatmulConfig(engine="mosaic", block_m=64, block_k=256, num_stages=2)
+
+
+def test_dispatch_runs_it_with_the_epilogue_and_differentiates_through_the_tile_backward():
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  k, n, r = 512, 128, 8
+  q = _random_q(rng, k, n)
+  x = jnp.asarray(rng.standard_normal((2, 3, k)), jnp.bfloat16)  # 6 rows: tile_m 8
+  xa = jnp.asarray(rng.standard_normal((2, 3, r)), jnp.bfloat16)
+  b = jnp.asarray(rng.standard_normal((r, n)) * 0.1, jnp.bfloat16)
+  bias = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+  f = lambda x, xa, b, bias: kernels.nvfp4_matmul(  # noqa: E731
+      x, q, bias=bias, lora=(xa, b, 0.5), interpret=True, fwd_config=MOSAIC)
+  y = f(x, xa, b, bias)
+  f64 = lambda t: np.asarray(jnp.asarray(t, jnp.float32), np.float64)  # noqa: E731
+  w = _dequant_np(q)
+  want = f64(x) @ w + 0.5 * f64(xa) @ f64(b) + f64(bias)
+  # One rounding of the float32 sum to bf16 (2**-8), float32 sums (1e-6 of sum |x| |w|).
+  bound = 2.0**-8 * np.abs(want) + 1e-6 * (np.abs(f64(x)) @ np.abs(w)) + 1e-6
+  assert y.shape == (2, 3, n) and (np.abs(f64(y) - want) <= bound).all(), f"{seed=}"
+  # The backward is the tile kernel's (dx = dy W^T), the epilogue's terms differentiated in XLA.
+  dy = jnp.asarray(rng.standard_normal((2, 3, n)), jnp.bfloat16)
+  grads = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * dy.astype(jnp.float32)), argnums=(0, 1))(
+      x, xa, b, bias)
+  np.testing.assert_allclose(f64(grads[0]), f64(dy) @ w.T, rtol=2e-2, atol=2e-2 * np.abs(f64(dy) @ w.T).max(),
+                             err_msg=f"{seed=}")
+  np.testing.assert_allclose(f64(grads[1]), 0.5 * f64(dy) @ f64(b).T, rtol=2e-2, atol=1e-2, err_msg=f"{seed=}")
+
+
+def test_fit_and_the_forward_fall_back_where_the_kernel_does_not_apply():
+  assert config_lib.fit(MOSAIC, "fwd", 8, 512, 128).engine == "mosaic"
+  assert config_lib.fit(MOSAIC, "fwd", 8, 512, 96).engine == "tensorcore"  # N not a multiple of 64
+  assert config_lib.fit(MOSAIC, "fwd", 8, 384, 128).engine == "tensorcore"  # K not a multiple of 256
+  assert config_lib.fit(MOSAIC, "bwd", 8, 512, 128).engine == "tensorcore"
+  assert config_lib.fit(MOSAIC, "fwd", 1, 512, 128).engine == "mosaic"
+  assert nvfp4_mgpu.from_matmul_config(MOSAIC, 5, 512, 128).tile_m == 8
+  assert nvfp4_mgpu.from_matmul_config(MOSAIC, 200, 512, 128).tile_m == 64  # block_m caps the row tile
+  # A stacked weight (the scan's in-place layer) takes the tile kernel, float16 x too: the same values.
+  rng = np.random.default_rng(fresh_seed())
+  qs = [_random_q(rng, 256, 64) for _ in range(2)]
+  stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *qs)
+  x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+  y = kernels.nvfp4_matmul(x, stacked, layer=1, interpret=True, fwd_config=MOSAIC)
+  np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(x, np.float64) @ _dequant_np(qs[1]), rtol=2e-2,
+                             atol=2e-2 * float(np.abs(np.asarray(x, np.float64) @ _dequant_np(qs[1])).max()))
+  y16 = kernels.nvfp4_matmul(x.astype(jnp.float16), qs[0], interpret=True, fwd_config=MOSAIC)
+  assert y16.dtype == jnp.float16
