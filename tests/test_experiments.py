@@ -267,6 +267,7 @@ def test_plot_rejects_lines_that_are_not_ablation_steps(tmp_path):
     plot_ablations.read_lines([str(path)])
 
 
+@pytest.mark.slow  # ~32 s: CI is near its 10-minute limit; run with `pytest -m slow`
 def test_walkthrough_notebook_runs_in_smoke_mode(monkeypatch):
   import nbclient
   import nbformat

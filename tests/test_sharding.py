@@ -384,6 +384,7 @@ def test_fused_kernel_maps_over_rows_under_a_mesh():
                     "mapped_stacked": True, "mapped_epilogue": True}
 
 
+@pytest.mark.slow  # ~30 s; the sharded update against the unsharded one stays in CI
 def test_trainer_runs_on_a_data_fsdp_tensor_mesh(tmp_path):
   # The smoke config end to end on 2 x 2 x 2 CPU devices: base, adapters and AdamW state split by the rules,
   # rollouts and updates over the mesh, a checkpoint, and the final evaluation.
