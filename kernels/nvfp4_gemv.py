@@ -49,7 +49,8 @@ def gemv_x_layout(x_MxK: jax.Array, dtype=jnp.float32) -> jax.Array:
 # sum of 16 below 6144, inside float16. Inside the kernel: a per-row scale computed by XLA cost more kernels
 # than the float16 sums saved (profile_decode at a8cf207, 7B batch 1: 4.31 against 3.91 ms per step); per
 # NVFP4 block it cost the K loop more instructions than it saved (kernel_sass, 7B gate at 1 row: 5.00 per
-# weight against 5.34 in float32 and 4.12 with XLA's scale).
+# weight against 5.34 in float32 and 4.12 with XLA's scale). Measured this way (fabab54) it saves nothing in
+# the model either (batch 1: 3.87-3.90 against 3.88 ms; batch 2: 5.46 against 5.30), so it stays off.
 _HALF_X_BITS = 12
 
 
