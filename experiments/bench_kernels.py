@@ -316,18 +316,20 @@ def bench_xla(direction, k, n, rows, key, bf16_cache, bw, dtype=jnp.bfloat16):
 # Mosaic GPU kernel candidates for --mosaic (kernels/nvfp4_mgpu.py; untimed at its first commit): pipeline depth
 # and K per step. tile_m is the smallest wgmma N that holds the rows (at most 128; more rows add programs); the
 # K split is ``auto_split``'s.
-MOSAIC_CANDIDATES = [(2, 256, "bits"), (3, 256, "bits"), (4, 256, "bits"), (2, 512, "bits"), (3, 512, "bits"),
-                     (2, 256, "arith")]  # "arith": no bf16 subnormal, should "bits" fail its check
+MOSAIC_CANDIDATES = [(2, 256, "bits", 64), (3, 256, "bits", 64), (4, 256, "bits", 64), (2, 512, "bits", 64),
+                     (3, 512, "bits", 64), (2, 256, "bits", 128), (3, 256, "bits", 128),
+                     (2, 256, "arith", 64)]  # "arith": no bf16 subnormal, should "bits" fail its check
 
 
 def _mosaic_tile_m(rows: int) -> int:
   return next((t for t in (8, 16, 32, 64) if rows <= t), 128)
 
 
-def bench_mosaic(k, n, rows, stages, tile_k, decode, key, bf16_cache, bw, dtype=jnp.bfloat16):
+def bench_mosaic(k, n, rows, stages, tile_k, decode, tile_n, key, bf16_cache, bw, dtype=jnp.bfloat16):
   """Checks (float32 reference, relative error < 1e-2) and times the Mosaic GPU forward kernel; returns a record."""
   from kernels import nvfp4_mgpu  # pylint: disable=import-outside-toplevel
-  cfg = nvfp4_mgpu.MgpuConfig(tile_m=_mosaic_tile_m(rows), tile_k=tile_k, stages=stages, decode=decode)
+  cfg = nvfp4_mgpu.MgpuConfig(tile_m=_mosaic_tile_m(rows), tile_k=tile_k, stages=stages, decode=decode,
+                              tile_n=tile_n)
   sms = getattr(jax.devices()[0], "core_count", 132) or 132
   cfg = dataclasses.replace(cfg, split=nvfp4_mgpu.auto_split(rows, k, n, cfg, num_sms=sms))
   ws, a = _case("fwd", k, n, rows, key, dtype)
@@ -340,8 +342,7 @@ def bench_mosaic(k, n, rows, stages, tile_k, decode, key, bf16_cache, bw, dtype=
   if not err < 1e-2:
     raise RuntimeError(f"mosaic k={k} n={n} rows={rows} {cfg}: relative error {err}")
   timed = _time_loop(op, a, ws)
-  config = dict(dataclasses.asdict(cfg), block_n=nvfp4_mgpu.TILE_N, block_k=tile_k, split=1, num_warps=4,
-                engine="mosaic")
+  config = dict(dataclasses.asdict(cfg), block_n=tile_n, block_k=tile_k, num_warps=4, engine="mosaic")
   return _record("fwd", k, n, rows, timed, bf16_cache.get(("fwd", k, n, rows)), bw,
                  check_rel_err=float(f"{err:.3g}"), config=config, first_call_s=round(compile_s, 2))
 
@@ -463,13 +464,14 @@ def _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag) -> l
       continue
     case.append(dict(rec, **tag, implementation="pallas", sweep="gemv" if args.gemv else bool(args.sweep)))
   if args.mosaic and direction == "fwd":
-    for stages, tile_k, decode in MOSAIC_CANDIDATES:
-      if k % tile_k or n % 64:
+    for stages, tile_k, decode, tile_n in MOSAIC_CANDIDATES:
+      if k % tile_k or n % tile_n:
         continue
       try:
-        rec = bench_mosaic(k, n, rows, stages, tile_k, decode, key, bf16_cache, bw)
+        rec = bench_mosaic(k, n, rows, stages, tile_k, decode, tile_n, key, bf16_cache, bw)
       except Exception as e:  # keep going: an unsupported layout or shape must not lose the run
-        print(f"FAILED {tag['shape']} mosaic rows={rows} stages={stages} tile_k={tile_k} {decode}: {type(e).__name__}: "
+        print(f"FAILED {tag['shape']} mosaic rows={rows} stages={stages} tile_k={tile_k} {decode} tile_n={tile_n}: "
+              f"{type(e).__name__}: "
               f"{str(e)[:400]}", flush=True)
         continue
       case.append(dict(rec, **tag, implementation="mosaic", sweep="mosaic"))

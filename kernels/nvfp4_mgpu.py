@@ -14,7 +14,7 @@ jax's own int8 x bf16 ``hopper_mixed_type_matmul_mgpu``.
 
 Computed transposed: y^T [N, M] = dequant(W)^T [N, K] @ x^T [K, M], so that the weight's output columns are
 wgmma's M (64 per warpgroup) and x's rows its N (``tile_m``: 8 to 128, so few rows cost little). Each program
-owns 64 output columns and ``tile_m`` rows; ``plgpu.emit_pipeline`` streams K in ``tile_k`` steps (x, codes,
+owns 64 output columns (or 128, ``tile_n``: two accumulators against each x tile) and ``tile_m`` rows; ``plgpu.emit_pipeline`` streams K in ``tile_k`` steps (x, codes,
 scales by TMA, ``stages`` in flight). Per NVFP4 block of 16 (one wgmma of K = 16, x in a 32-byte swizzle):
 codes -> bf16 bits reading E2M1 * 2**-126 (the subnormal 0.5 included: 16-bit float arithmetic keeps
 subnormals on the GPU, as in ``nvfp4_tile``'s PTX), times the block scale * 2**106, so the operand is
@@ -43,7 +43,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-TILE_N = 64  # output columns per program: wgmma's M for one warpgroup
+TILE_N = 64  # output columns per wgmma: its M for one warpgroup (a program has tile_n / 64 of them)
 _BLOCK = 16  # NVFP4 block: K per wgmma, and per block scale
 _X_SWIZZLE = 32  # bytes: x's K-minor rows in 16-element (one block) swizzle groups, so wgmma may take K = 16
 
@@ -53,11 +53,13 @@ class MgpuConfig:
   """tile_m: x rows per program (wgmma's N; rows are padded up to it). tile_k: K per pipeline step (at least 256,
   so a step's 16 block scales per column fill TMA's 16-byte minimum row). stages: pipeline steps in flight.
   split: the K steps cut into this many equal ranges, one program each (``auto_split`` picks one).
-  decode: how the 4-bit codes become bf16 (``_decoded_codes``); interpret mode always runs "arith"."""
+  decode: how the 4-bit codes become bf16 (``_decoded_codes``); interpret mode always runs "arith".
+  tile_n: 64, or 128 so that each x tile (at 64 rows 78% of a step's bytes) serves twice the weight columns."""
 
   tile_m: int = 64
   tile_k: int = 256
   stages: int = 2
+  tile_n: int = 64  # output columns per program: 128 decodes and accumulates two halves against one x tile
   split: int = 1  # K ranges run by separate programs (float32 partials, summed outside): more programs at small N
   decode: str = "bits"  # "bits" (E2M1 * 2**-126 from bit operations) | "arith" (compares and selects; no subnormal)
 
@@ -70,6 +72,8 @@ class MgpuConfig:
       raise ValueError(f"stages={self.stages} must be at least 1")
     if self.split < 1:
       raise ValueError(f"split={self.split} must be at least 1")
+    if self.tile_n not in (64, 128):
+      raise ValueError(f"tile_n={self.tile_n} must be 64 or 128")
     if self.decode not in ("bits", "arith"):
       raise ValueError(f"decode={self.decode!r} must be 'bits' or 'arith'")
 
@@ -80,7 +84,7 @@ def auto_split(rows: int, k: int, n: int, cfg: MgpuConfig, num_sms: int = 132, p
   weight's bytes (else the largest split that does): they are written, then read again to be summed."""
   steps = k // cfg.tile_k
   m_pad = -(-rows // cfg.tile_m) * cfg.tile_m
-  programs = (n // TILE_N) * (m_pad // cfg.tile_m)
+  programs = (n // cfg.tile_n) * (m_pad // cfg.tile_m)
   want = -(-num_sms * per_sm // programs)
   weight_bytes = n * k // 2 + n * k // _BLOCK
   cap = max(1, weight_bytes // 4 // (4 * n * m_pad))
@@ -90,10 +94,12 @@ def auto_split(rows: int, k: int, n: int, cfg: MgpuConfig, num_sms: int = 132, p
 
 def from_matmul_config(cfg, m: int, k: int, n: int, num_sms: int = 132) -> MgpuConfig:
   """The MgpuConfig an ``Nvfp4MatmulConfig`` with engine "mosaic" stands for at this shape: the smallest row tile
-  that holds m rows (at most block_m, 8-128), block_k as the K step, num_stages as the depth, ``auto_split``."""
+  that holds m rows (at most block_m, 8-128), block_k as the K step, num_stages as the depth, 128 output columns
+  per program where block_n is 128 or more and N allows, ``auto_split``."""
   cap = max(8, min(128, cfg.block_m))
   tile_m = next((t for t in (8, 16, 32, 64, 128) if t >= min(m, cap)), 128)
-  out = MgpuConfig(tile_m=tile_m, tile_k=cfg.block_k, stages=cfg.num_stages)
+  tile_n = 128 if cfg.block_n >= 128 and n % 128 == 0 else TILE_N
+  out = MgpuConfig(tile_m=tile_m, tile_k=cfg.block_k, stages=cfg.num_stages, tile_n=tile_n)
   return dataclasses.replace(out, split=auto_split(m, k, n, out, num_sms=num_sms))
 
 
@@ -132,8 +138,8 @@ def _check(x_MxK, packed_NxKh, scale_NxKb, config: MgpuConfig) -> tuple[int, int
   if scale_NxKb.shape != (n, k // _BLOCK) or scale_NxKb.dtype != jnp.float8_e4m3fn:
     raise ValueError(f"scales must be float8_e4m3fn [N, K/16] = [{n}, {k // _BLOCK}], got {scale_NxKb.dtype}"
                      f"{list(scale_NxKb.shape)}")
-  if n % TILE_N:
-    raise ValueError(f"N={n} (out_features) must be a multiple of {TILE_N} for the Mosaic GPU kernel")
+  if n % config.tile_n:
+    raise ValueError(f"N={n} (out_features) must be a multiple of tile_n={config.tile_n} for the Mosaic GPU kernel")
   if k % config.tile_k:
     raise ValueError(f"K={k} (in_features) must be a multiple of tile_k={config.tile_k}")
   if (k // config.tile_k) % config.split:
@@ -160,44 +166,49 @@ def _kernel(n: int, m_pad: int, k: int, cfg: MgpuConfig, interpret: bool):
   scale_power = np.float32(2.0 ** 106 if decode == "bits" else 1.0)  # the decoded codes' 2**-126 or 2**-20
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per output column (wgmma's M), as the A fragment holds
 
+  tile_n, halves = cfg.tile_n, cfg.tile_n // TILE_N
+
   def body(x_gmem, codes_gmem, scale_gmem, o_gmem, o_smem, *interpret_smem):
     ni, mi, si = jax.lax.axis_index("n"), jax.lax.axis_index("m"), jax.lax.axis_index("s")
     k0 = si * range_steps  # this program's first K step
 
-    def acc_scope(acc_ref):
-      def step(_, x_smem, codes_smem, scale_smem):  # one tile_k of K: x [tile_m, tile_k], codes [64, tile_k]
-        w_bf = _decoded_codes(codes_smem)
-        for b in range(blocks):
-          s = scale_smem[b] if interpret else plgpu.load(scale_smem.at[b], (), layout=row_layout)
-          # e4m3 -> float32 (Hopper's ptxas converts e4m3 to f16 only), times 2**106 for "bits", exact in bf16.
-          s_bf = (jax.lax.bitcast_convert_type(s, jnp.float8_e4m3fn).astype(jnp.float32) * scale_power).astype(
-              jnp.bfloat16)
-          a = w_bf[:, b * _BLOCK:(b + 1) * _BLOCK] * jax.lax.broadcast_in_dim(s_bf, (TILE_N, _BLOCK), (0,))
-          x_block = x_smem.at[:, pl.ds(b * _BLOCK, _BLOCK)]
-          if interpret:
-            a_smem, xT_smem = interpret_smem
-            a_smem[...] = a
-            xT_smem[...] = x_block[...].T
-            plgpu.wgmma(acc_ref, a_smem, xT_smem)
-          else:
-            plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_block, (1, 0)))
+    def acc_scope(*acc_refs):  # one accumulator per 64 output columns
+      def step(_, x_smem, codes_smem, scale_smem):  # one tile_k of K: x [tile_m, tile_k], codes [tile_n, tile_k]
+        for h, acc_ref in enumerate(acc_refs):
+          w_bf = _decoded_codes(codes_smem.at[pl.ds(h * TILE_N, TILE_N)])
+          for b in range(blocks):
+            scale_row = scale_smem.at[b, pl.ds(h * TILE_N, TILE_N)]
+            s = scale_row[...] if interpret else plgpu.load(scale_row, (), layout=row_layout)
+            # e4m3 -> float32 (Hopper's ptxas converts e4m3 to f16 only), times 2**106 for "bits", exact in bf16.
+            s_bf = (jax.lax.bitcast_convert_type(s, jnp.float8_e4m3fn).astype(jnp.float32) * scale_power).astype(
+                jnp.bfloat16)
+            a = w_bf[:, b * _BLOCK:(b + 1) * _BLOCK] * jax.lax.broadcast_in_dim(s_bf, (TILE_N, _BLOCK), (0,))
+            x_block = x_smem.at[:, pl.ds(b * _BLOCK, _BLOCK)]
+            if interpret:
+              a_smem, xT_smem = interpret_smem
+              a_smem[...] = a
+              xT_smem[...] = x_block[...].T
+              plgpu.wgmma(acc_ref, a_smem, xT_smem)
+            else:
+              plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_block, (1, 0)))
         plgpu.wgmma_wait(0)
 
       plgpu.emit_pipeline(
           step, grid=(range_steps,), max_concurrent_steps=cfg.stages,
           in_specs=[plgpu.BlockSpec((tile_m, tile_k), lambda kk: (mi, k0 + kk), transforms=x_transforms),
-                    plgpu.BlockSpec((TILE_N, tile_k), lambda kk: (ni, k0 + kk), transforms=codes_transforms),
-                    plgpu.BlockSpec((blocks, TILE_N), lambda kk: (k0 + kk, ni))],
+                    plgpu.BlockSpec((tile_n, tile_k), lambda kk: (ni, k0 + kk), transforms=codes_transforms),
+                    plgpu.BlockSpec((blocks, tile_n), lambda kk: (k0 + kk, ni))],
       )(x_gmem, codes_gmem, scale_gmem)
-      o_smem[...] = acc_ref[...]
+      for h, acc_ref in enumerate(acc_refs):
+        o_smem[pl.ds(h * TILE_N, TILE_N)] = acc_ref[...]
 
-    pl.run_scoped(acc_scope, plgpu.ACC((TILE_N, tile_m), jnp.float32))
+    pl.run_scoped(acc_scope, *[plgpu.ACC((TILE_N, tile_m), jnp.float32) for _ in range(halves)])
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(ni * TILE_N, TILE_N), pl.ds(mi * tile_m, tile_m)])
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(ni * tile_n, tile_n), pl.ds(mi * tile_m, tile_m)])
     plgpu.wait_smem_to_gmem(0)
 
   def _decoded_codes(codes_smem):
-    """bf16 [64, tile_k], either E2M1 * 2**-126 from bit operations ("bits": the sign to bit 15, the exponent and
+    """bf16 [64, tile_k] from 64 rows of codes, either E2M1 * 2**-126 from bit operations ("bits": the sign to bit 15, the exponent and
     mantissa bits to 8..6, the subnormal 0.5 included, which 16-bit float arithmetic keeps on the GPU), or
     E2M1 * 2**-20 from compares and selects ("arith": no subnormal; XLA on the CPU flushes them)."""
     if interpret:
@@ -211,7 +222,7 @@ def _kernel(n: int, m_pad: int, k: int, cfg: MgpuConfig, interpret: bool):
     mag = jnp.where(i < 4, i * 0.5, jnp.where(i == 7, 6.0, i - 2.0))  # E2M1's magnitudes by code
     return (jnp.where((c & 8) != 0, -mag, mag) * np.float32(2.0 ** -20)).astype(jnp.bfloat16)
 
-  scratch = [plgpu.SMEM((TILE_N, tile_m), jnp.float32)]
+  scratch = [plgpu.SMEM((tile_n, tile_m), jnp.float32)]
   if interpret:
     scratch += [plgpu.SMEM((TILE_N, _BLOCK), jnp.bfloat16), plgpu.SMEM((_BLOCK, tile_m), jnp.bfloat16)]
   params = None
@@ -219,5 +230,5 @@ def _kernel(n: int, m_pad: int, k: int, cfg: MgpuConfig, interpret: bool):
     from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params  # pylint: disable=C0415
     params = interpret_params.InterpretGPUParams()
   return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((cfg.split, n, m_pad), jnp.float32),
-                      scratch_types=scratch, grid=(n // TILE_N, m_pad // tile_m, cfg.split),
+                      scratch_types=scratch, grid=(n // tile_n, m_pad // tile_m, cfg.split),
                       grid_names=("n", "m", "s"), interpret=params)

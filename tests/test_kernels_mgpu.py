@@ -1,6 +1,8 @@
 """The Mosaic GPU NVFP4 kernel (`kernels/nvfp4_mgpu.py`): Mosaic GPU's interpreter against NumPy, the CUDA lowering
 of the GPU path (where Mosaic GPU checks its register layouts), and bad input."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +24,8 @@ CASES = [
   (16, 1024, 64, MgpuConfig(tile_m=16, tile_k=512)),
   (3, 1536, 64, MgpuConfig(tile_m=8, split=3, stages=2)),
   (9, 1024, 128, MgpuConfig(tile_m=16, split=2)),
+  # 128 output columns per program (two accumulators against one x tile), two such programs, a split of 2.
+  (12, 512, 256, MgpuConfig(tile_m=16, tile_n=128, split=2)),
 ]
 
 
@@ -42,14 +46,15 @@ def test_interpreted_kernel_matches_numpy(case):
   assert (np.abs(got - want) <= bound).all(), f"{seed=}: max err / bound {(np.abs(got - want) / bound).max()}"
 
 
-@pytest.mark.parametrize("tile_m,split,decode", [(8, 1, "bits"), (64, 2, "bits"), (16, 1, "arith")])
-def test_gpu_path_lowers_for_cuda(tile_m, split, decode):
+@pytest.mark.parametrize("tile_m,split,decode,tile_n", [(8, 1, "bits", 64), (64, 2, "bits", 64),
+                                                        (16, 1, "arith", 64), (64, 1, "bits", 128)])
+def test_gpu_path_lowers_for_cuda(tile_m, split, decode, tile_n):
   """The GPU path (register layouts, the bit decode, wgmma with A in registers) as Mosaic GPU lowers it for CUDA;
   a layout it cannot relayout or an operand wgmma cannot take fails here, on the CPU."""
   k, n = 512, 128
   q = _random_q(np.random.default_rng(0), k, n)
   x = jnp.ones((tile_m, k), jnp.bfloat16)
-  cfg = MgpuConfig(tile_m=tile_m, split=split, decode=decode)
+  cfg = MgpuConfig(tile_m=tile_m, split=split, decode=decode, tile_n=tile_n)
   f = lambda *a: nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(*a, config=cfg)  # noqa: E731
   text = jax.jit(f).trace(x, q.packed_NxKh, q.scale_NxKb, q.global_scale).lower(
       lowering_platforms=("cuda",)).as_text()
@@ -71,6 +76,11 @@ def test_bad_inputs_are_named():
     nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(x, q96.packed_NxKh, q96.scale_NxKb, q96.global_scale)
   with pytest.raises(ValueError, match="float8_e4m3fn"):
     nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(x, q.packed_NxKh, q.scale_NxKb.astype(jnp.float32), q.global_scale)
+  with pytest.raises(ValueError, match="tile_n=128"):
+    nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(jnp.ones((4, 512), jnp.bfloat16), q96.packed_NxKh, q96.scale_NxKb,
+                                     q96.global_scale, config=MgpuConfig(tile_n=128))
+  with pytest.raises(ValueError, match="tile_n=96"):
+    MgpuConfig(tile_n=96)
   with pytest.raises(ValueError, match="tile_m=24"):
     MgpuConfig(tile_m=24)
   with pytest.raises(ValueError, match="tile_k=128"):
@@ -131,6 +141,9 @@ def test_fit_and_the_forward_fall_back_where_the_kernel_does_not_apply():
   assert config_lib.fit(MOSAIC, "fwd", 1, 512, 128).engine == "mosaic"
   assert nvfp4_mgpu.from_matmul_config(MOSAIC, 5, 512, 128).tile_m == 8
   assert nvfp4_mgpu.from_matmul_config(MOSAIC, 200, 512, 128).tile_m == 64  # block_m caps the row tile
+  wide = dataclasses.replace(MOSAIC, block_n=128)
+  assert nvfp4_mgpu.from_matmul_config(wide, 8, 512, 256).tile_n == 128
+  assert nvfp4_mgpu.from_matmul_config(wide, 8, 512, 192).tile_n == 64  # N not a multiple of 128
   # A stacked weight (the scan's in-place layer) takes the tile kernel, float16 x too: the same values.
   rng = np.random.default_rng(fresh_seed())
   qs = [_random_q(rng, 256, 64) for _ in range(2)]
