@@ -26,6 +26,7 @@ CASES = [
   (9, 1024, 128, MgpuConfig(tile_m=16, split=2)),
   # 128 output columns per program (two accumulators against one x tile), two such programs, a split of 2.
   (12, 512, 256, MgpuConfig(tile_m=16, tile_n=128, split=2)),
+  (130, 256, 64, MgpuConfig(tile_m=128)),  # two row tiles of 128, the second holding 2 rows
 ]
 
 
