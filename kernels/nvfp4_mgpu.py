@@ -14,9 +14,9 @@ jax's own int8 x bf16 ``hopper_mixed_type_matmul_mgpu``.
 
 Computed transposed: y^T [N, M] = dequant(W)^T [N, K] @ x^T [K, M], so that the weight's output columns are
 wgmma's M (64 per warpgroup) and x's rows its N (``tile_m``: 8 to 128, so few rows cost little). Each program
-owns 64 output columns (or 128, ``tile_n``: two accumulators against each x tile) and ``tile_m`` rows; ``plgpu.emit_pipeline`` streams K in ``tile_k`` steps (x, codes,
-scales by TMA, ``stages`` in flight). Per NVFP4 block of 16 (one wgmma of K = 16, x in a 32-byte swizzle):
-codes -> bf16 bits reading E2M1 * 2**-126 (the subnormal 0.5 included: 16-bit float arithmetic keeps
+owns 64 output columns (or 128, ``tile_n``: two accumulators against each x tile) and ``tile_m`` rows;
+``plgpu.emit_pipeline`` streams K in ``tile_k`` steps (x, codes, scales by TMA, ``stages`` in flight). Per
+NVFP4 block of 16 (one wgmma of K = 16, x in a 32-byte swizzle): codes -> bf16 bits reading E2M1 * 2**-126 (the subnormal 0.5 included: 16-bit float arithmetic keeps
 subnormals on the GPU, as in ``nvfp4_tile``'s PTX), times the block scale * 2**106, so the operand is
 E2M1 * scale * 2**-20, exact in bf16; 2**20 / global_scale multiplies the float32 result.
 
@@ -168,7 +168,7 @@ def _kernel(n: int, m_pad: int, k: int, cfg: MgpuConfig, interpret: bool):
 
   tile_n, halves = cfg.tile_n, cfg.tile_n // TILE_N
 
-  def body(x_gmem, codes_gmem, scale_gmem, o_gmem, o_smem, *interpret_smem):
+  def nvfp4_matmul_mgpu(x_gmem, codes_gmem, scale_gmem, o_gmem, o_smem, *interpret_smem):  # the trace's name
     ni, mi, si = jax.lax.axis_index("n"), jax.lax.axis_index("m"), jax.lax.axis_index("s")
     k0 = si * range_steps  # this program's first K step
 
@@ -208,9 +208,10 @@ def _kernel(n: int, m_pad: int, k: int, cfg: MgpuConfig, interpret: bool):
     plgpu.wait_smem_to_gmem(0)
 
   def _decoded_codes(codes_smem):
-    """bf16 [64, tile_k] from 64 rows of codes, either E2M1 * 2**-126 from bit operations ("bits": the sign to bit 15, the exponent and
-    mantissa bits to 8..6, the subnormal 0.5 included, which 16-bit float arithmetic keeps on the GPU), or
-    E2M1 * 2**-20 from compares and selects ("arith": no subnormal; XLA on the CPU flushes them)."""
+    """bf16 [64, tile_k] from 64 rows of codes, either E2M1 * 2**-126 from bit operations ("bits": the sign to
+    bit 15, the exponent and mantissa bits to 8..6, the subnormal 0.5 included, which 16-bit float arithmetic
+    keeps on the GPU), or E2M1 * 2**-20 from compares and selects ("arith": no subnormal; XLA on the CPU
+    flushes them)."""
     if interpret:
       codes = codes_smem[...]
     else:  # the 4-bit codes relayout to the A fragment while packed (shuffles of 32-bit words), then widen
@@ -229,6 +230,6 @@ def _kernel(n: int, m_pad: int, k: int, cfg: MgpuConfig, interpret: bool):
   if interpret:
     from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params  # pylint: disable=C0415
     params = interpret_params.InterpretGPUParams()
-  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((cfg.split, n, m_pad), jnp.float32),
+  return plgpu.kernel(nvfp4_matmul_mgpu, out_type=jax.ShapeDtypeStruct((cfg.split, n, m_pad), jnp.float32),
                       scratch_types=scratch, grid=(n // tile_n, m_pad // tile_m, cfg.split),
                       grid_names=("n", "m", "s"), interpret=params)
