@@ -16,9 +16,10 @@ Computed transposed: y^T [N, M] = dequant(W)^T [N, K] @ x^T [K, M], so that the 
 wgmma's M (64 per warpgroup) and x's rows its N (``tile_m``: 8 to 128, so few rows cost little). Each program
 owns 64 output columns (or 128, ``tile_n``: two accumulators against each x tile) and ``tile_m`` rows;
 ``plgpu.emit_pipeline`` streams K in ``tile_k`` steps (x, codes, scales by TMA, ``stages`` in flight). Per
-NVFP4 block of 16 (one wgmma of K = 16, x in a 32-byte swizzle): codes -> bf16 bits reading E2M1 * 2**-126 (the subnormal 0.5 included: 16-bit float arithmetic keeps
-subnormals on the GPU, as in ``nvfp4_tile``'s PTX), times the block scale * 2**106, so the operand is
-E2M1 * scale * 2**-20, exact in bf16; 2**20 / global_scale multiplies the float32 result.
+NVFP4 block of 16 (one wgmma of K = 16, x in a 32-byte swizzle): codes -> bf16 bits reading E2M1 * 2**-126
+(the subnormal 0.5 included: 16-bit float arithmetic keeps subnormals on the GPU, as in ``nvfp4_tile``'s
+PTX), times the block scale * 2**106, so the operand is E2M1 * scale * 2**-20, exact in bf16; 2**20 /
+global_scale multiplies the float32 result.
 
 Layouts on the way in: the packed weight [N, K/2] uint8 is read as int4 [N, K] (low nibble first, as XLA packs
 int4: byte j holds columns 2j and 2j + 1, NVFP4's order); the scales are passed as [K/16, N] so each block's
