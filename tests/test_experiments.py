@@ -37,20 +37,24 @@ def _read(path):
 
 @pytest.fixture(scope="module")
 def smoke_ablations(tmp_path_factory):
-  """The CLI's smoke mode of two studies, both into one results folder; {study: (out path, lines)}."""
+  """The CLI's smoke mode of a study, run on first use into one results folder: study -> (out path, lines)."""
   root = tmp_path_factory.mktemp("ablations")
   out = {}
-  for study in ("formats", "aqn_schedules"):
-    path = str(root / f"{study}.jsonl")
-    # Both in this process, sharing compiled programs; --jobs (worker processes) is the slow test below.
-    ablations.main(["--study", study, "--smoke", "--out", path, "--workdir_root", str(root / f"{study}_runs")])
-    out[study] = (path, _read(path))
-  return out
+
+  def run(study):
+    if study not in out:
+      path = str(root / f"{study}.jsonl")
+      # In this process, sharing compiled programs; --jobs (worker processes) is the slow test below.
+      ablations.main(["--study", study, "--smoke", "--out", path, "--workdir_root", str(root / f"{study}_runs")])
+      out[study] = (path, _read(path))
+    return out[study]
+  return run
 
 
-@pytest.mark.parametrize("study", ["formats", "aqn_schedules"])
+# aqn_schedules runs the same CLI over other variants (~12 s): with `pytest -m slow`, CI being near its limit.
+@pytest.mark.parametrize("study", ["formats", pytest.param("aqn_schedules", marks=pytest.mark.slow)])
 def test_smoke_study_writes_step_lines(smoke_ablations, study):
-  path, rows = smoke_ablations[study]
+  path, rows = smoke_ablations(study)
   smoke = ablations.STUDIES[study].smoke
   # 2 variants x 1 seed x 2 steps, in registry order.
   assert [(r["variant"], r["seed"], r["step"]) for r in rows] == [(v, 0, s) for v in smoke for s in (1, 2)]
@@ -78,7 +82,7 @@ def test_smoke_study_writes_step_lines(smoke_ablations, study):
 
 
 def test_rerun_replaces_a_runs_lines_instead_of_duplicating(smoke_ablations, tmp_path):
-  path, rows = smoke_ablations["formats"]
+  path, rows = smoke_ablations("formats")
   copy = tmp_path / "formats.jsonl"
   copy.write_text(open(path).read())
   new = [{**r, "reward/mean": 123.0} for r in rows if r["variant"] == "bf16"]
@@ -253,8 +257,9 @@ def test_plot_writes_png_and_table_matching_numpy(tmp_path, capsys):
   assert [c.strip() for c in r16.strip("|").split("|")][7] == "0.250"
 
 
+@pytest.mark.slow  # it reads both studies' runs (aqn_schedules is slow-marked above)
 def test_plot_reads_the_smoke_runs(smoke_ablations, tmp_path):
-  paths = [p for p, _ in smoke_ablations.values()]
+  paths = [smoke_ablations(study)[0] for study in ("formats", "aqn_schedules")]
   pngs, table = plot_ablations.plot_all(paths, str(tmp_path), window=10)
   assert sorted(os.path.basename(p) for p in pngs) == ["aqn_schedules.png", "formats.png"]
   assert "| nvfp4+aqn | 1 |" in table and "| off | 1 |" in table

@@ -296,6 +296,7 @@ def test_nvfp4_layers_reach_the_kernels_whole_and_give_the_xla_logits(monkeypatc
   assert "u8[192,32]" in jaxpr and "u8[128,48]" in jaxpr
 
 
+@pytest.mark.slow  # ~11 s for an opt-in path (fused_lora); CI is near its 10-minute limit
 def test_fused_lora_epilogue_gives_the_same_logits_and_adapter_gradients(monkeypatch):
   # config.fused_lora: NVFP4 projections add the bias and (x @ A) @ B inside the matmul (kernels' epilogue);
   # logits equal the unfused model's on the XLA path and through the kernels (interpret mode), and so do the
