@@ -220,7 +220,13 @@ def _kernel_op(direction, cfg, poison=False):
 
 def check(direction, cfg, a, w) -> float:
   """Relative Frobenius error of the kernel (NaN-poisoned output) against a float32 reference."""
-  out = jax.jit(_kernel_op(direction, cfg, poison=True))(a, w).astype(jnp.float32)
+  return _rel_err(direction, jax.jit(_kernel_op(direction, cfg, poison=True))(a, w), a, w)
+
+
+def _rel_err(direction, out, a, w) -> float:
+  """Relative Frobenius error of ``out`` against a float32 reference of a @ W (fwd) or a @ W^T (bwd); NaN
+  anywhere in ``out`` (an unwritten tile) gives NaN."""
+  out = out.astype(jnp.float32)
   w_KxN = _dequant_f32_KxN(*w)
   a32 = a.astype(jnp.float32)
   hi = jax.lax.Precision.HIGHEST
@@ -313,36 +319,29 @@ def bench_xla(direction, k, n, rows, key, bf16_cache, bw, dtype=jnp.bfloat16):
                  config={"block_n": 0, "block_k": 0, "split": 0, "num_warps": 0, "engine": "xla"})
 
 
-# Mosaic GPU kernel candidates for --mosaic (kernels/nvfp4_mgpu.py; untimed at its first commit): pipeline depth
-# and K per step. tile_m is the smallest wgmma N that holds the rows (at most 128; more rows add programs); the
-# K split is ``auto_split``'s.
+# Mosaic GPU kernel candidates for --mosaic (kernels/nvfp4_mgpu.py; untimed at its first commit): pipeline depth,
+# K per step, decoder and output columns per program; the row tile and K split are what the dispatch would pick
+# (``nvfp4_mgpu.from_matmul_config``).
 MOSAIC_CANDIDATES = [(2, 256, "bits", 64), (3, 256, "bits", 64), (4, 256, "bits", 64), (2, 512, "bits", 64),
                      (3, 512, "bits", 64), (2, 256, "bits", 128), (3, 256, "bits", 128),
                      (2, 256, "arith", 64)]  # "arith": no bf16 subnormal, should "bits" fail its check
 
 
-def _mosaic_tile_m(rows: int) -> int:
-  return next((t for t in (8, 16, 32, 64) if rows <= t), 128)
-
-
 def bench_mosaic(k, n, rows, stages, tile_k, decode, tile_n, key, bf16_cache, bw, dtype=jnp.bfloat16):
   """Checks (float32 reference, relative error < 1e-2) and times the Mosaic GPU forward kernel; returns a record."""
   from kernels import nvfp4_mgpu  # pylint: disable=import-outside-toplevel
-  cfg = nvfp4_mgpu.MgpuConfig(tile_m=_mosaic_tile_m(rows), tile_k=tile_k, stages=stages, decode=decode,
-                              tile_n=tile_n)
+  entry = _C(engine="mosaic", block_m=128, block_n=tile_n, block_k=tile_k, num_stages=stages)
   sms = getattr(jax.devices()[0], "core_count", 132) or 132
-  cfg = dataclasses.replace(cfg, split=nvfp4_mgpu.auto_split(rows, k, n, cfg, num_sms=sms))
+  cfg = dataclasses.replace(nvfp4_mgpu.from_matmul_config(entry, rows, k, n, num_sms=sms), decode=decode)
   ws, a = _case("fwd", k, n, rows, key, dtype)
   op = lambda x, w: nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(x, *w, config=cfg, interpret=_INTERPRET)  # noqa: E731
   t0 = time.perf_counter()
-  out = jax.jit(op)(a, ws[0]).astype(jnp.float32)
-  ref = jnp.dot(a.astype(jnp.float32), _dequant_f32_KxN(*ws[0]), precision=jax.lax.Precision.HIGHEST)
-  err = float(jnp.linalg.norm(out - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
+  err = _rel_err("fwd", jax.jit(op)(a, ws[0]), a, ws[0])
   compile_s = time.perf_counter() - t0
   if not err < 1e-2:
     raise RuntimeError(f"mosaic k={k} n={n} rows={rows} {cfg}: relative error {err}")
   timed = _time_loop(op, a, ws)
-  config = dict(dataclasses.asdict(cfg), block_n=tile_n, block_k=tile_k, num_warps=4, engine="mosaic")
+  config = dict(dataclasses.asdict(cfg), block_n=cfg.tile_n, block_k=cfg.tile_k, num_warps=4, engine="mosaic")
   return _record("fwd", k, n, rows, timed, bf16_cache.get(("fwd", k, n, rows)), bw,
                  check_rel_err=float(f"{err:.3g}"), config=config, first_call_s=round(compile_s, 2))
 
@@ -471,8 +470,7 @@ def _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag) -> l
         rec = bench_mosaic(k, n, rows, stages, tile_k, decode, tile_n, key, bf16_cache, bw)
       except Exception as e:  # keep going: an unsupported layout or shape must not lose the run
         print(f"FAILED {tag['shape']} mosaic rows={rows} stages={stages} tile_k={tile_k} {decode} tile_n={tile_n}: "
-              f"{type(e).__name__}: "
-              f"{str(e)[:400]}", flush=True)
+              f"{type(e).__name__}: {str(e)[:400]}", flush=True)
         continue
       case.append(dict(rec, **tag, implementation="mosaic", sweep="mosaic"))
   if args.xla:

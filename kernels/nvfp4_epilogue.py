@@ -67,3 +67,14 @@ def term(refs, epi: Epilogue, rows, row_mask, cols, col_mask) -> jax.Array | flo
     bias_N = plgpu.load(refs[epi.num_refs - 1].at[cols], mask=col_mask, other=0.0).astype(jnp.float32)
     out = out + bias_N[None, :]
   return out
+
+
+def add_in_xla(y_MxN: jax.Array, xa_MxR: jax.Array | None, b_RxN: jax.Array | None, bias_N: jax.Array | None,
+               scale: float) -> jax.Array:
+  """y + scale * xa @ B + bias in float32 (y float32 [M, N]), for the paths that add the epilogue's terms outside
+  a kernel (the XLA reference, the Mosaic GPU kernel); the caller rounds once, as the kernels' epilogue does."""
+  if xa_MxR is not None:
+    y_MxN = y_MxN + scale * (xa_MxR.astype(jnp.float32) @ b_RxN.astype(jnp.float32))
+  if bias_N is not None:
+    y_MxN = y_MxN + bias_N.astype(jnp.float32)
+  return y_MxN

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from kernels import config as config_lib
+from kernels import config as config_lib, nvfp4_epilogue
 from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
 from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
 from qerl_jax import quant
@@ -186,11 +186,7 @@ def _reference_with_epilogue(x_MxK, q, xa_MxR, b_RxN, bias_N, lora_scale):
   if xa_MxR is None and bias_N is None:
     return nvfp4_matmul_reference(x_MxK, q)
   y = jnp.matmul(x_MxK, quant.dequantize(q, x_MxK.dtype), preferred_element_type=jnp.float32)
-  if xa_MxR is not None:
-    y = y + lora_scale * (xa_MxR.astype(jnp.float32) @ b_RxN.astype(jnp.float32))
-  if bias_N is not None:
-    y = y + bias_N.astype(jnp.float32)
-  return y.astype(x_MxK.dtype)
+  return nvfp4_epilogue.add_in_xla(y, xa_MxR, b_RxN, bias_N, lora_scale).astype(x_MxK.dtype)
 
 
 def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor, *, layer=None, bias: jax.Array | None = None,

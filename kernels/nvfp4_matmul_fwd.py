@@ -159,8 +159,4 @@ def _mosaic(x_MxK, packed_NxKh, scale_NxKb, global_scale, cfg, interpret, layer,
                                    lora_scale=lora_scale)
   mcfg = nvfp4_mgpu.from_matmul_config(cfg, m, k, n)
   y = nvfp4_mgpu.matmul_f32(x_MxK, packed_NxKh, scale_NxKb, global_scale, config=mcfg, interpret=interpret)
-  if xa_MxR is not None:
-    y = y + lora_scale * (xa_MxR.astype(jnp.float32) @ b_RxN.astype(jnp.float32))
-  if bias_N is not None:
-    y = y + bias_N.astype(jnp.float32)
-  return y.astype(x_MxK.dtype)
+  return nvfp4_epilogue.add_in_xla(y, xa_MxR, b_RxN, bias_N, lora_scale).astype(x_MxK.dtype)
