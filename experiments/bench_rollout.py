@@ -223,7 +223,9 @@ def _time_hf(args, model, spec, batch):
 
 
 def main():
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  # No abbreviations: the hidden per-run flags below would swallow a mistyped --model / --quant.
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                              allow_abbrev=False)
   p.add_argument("--models", nargs="+", default=["qwen2.5-7b"], choices=sorted(QWEN25))
   p.add_argument("--quants", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4", "hf-bf16"])
   p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
@@ -250,6 +252,8 @@ def main():
   p.add_argument("--model", help=argparse.SUPPRESS)
   p.add_argument("--quant", help=argparse.SUPPRESS)
   args = p.parse_args()
+  if not args.one and (args.model or args.quant):
+    p.error("--model and --quant are the per-run flags of the subprocess; use --models and --quants")
   if args.one:
     for record in (run_hf(args) if args.quant == "hf-bf16" else run_one(args)):
       print("RECORD " + json.dumps(record), flush=True)

@@ -127,6 +127,15 @@ def test_bench_rollout_transformers_peer_runs(tmp_path):
   assert r["tokens_per_s"] > 0 and r["transformers"]
 
 
+@pytest.mark.parametrize("flag", ["--model", "--quant"])
+def test_bench_rollout_refuses_the_subprocess_flags(flag, tmp_path):
+  # A mistyped --model once ran the default 7B instead of the 32B asked for (a GPU call spent on the wrong model).
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "bench_rollout.py"), flag, "qwen2.5-32b",
+                         "--out", str(tmp_path / "r.jsonl")], cwd=ROOT, capture_output=True, text=True)
+  assert proc.returncode == 2 and "use --models and --quants" in proc.stderr
+  assert not (tmp_path / "r.jsonl").exists()
+
+
 @pytest.mark.slow
 def test_bench_grpo_step_smoke_writes_the_phase_split(tmp_path):
   records = _run("bench_grpo_step.py", tmp_path, "grpo")
