@@ -14,6 +14,9 @@ a9618a4; a profiler trace states the GPU's: ``bench_kernels --trace`` records it
 jax's own. Files (ttir, the TTIR after Triton's passes as .opt.ttir, ttgir, ptx, sass, JSON summary) go to
 ``--out``.
 
+``--mosaic`` (on a GPU only: Mosaic GPU assembles inside the CUDA plugin) compiles the Mosaic GPU forward kernel
+(``kernels/nvfp4_mgpu.py``) with its dump switches on and reads the same mix from the SASS it wrote.
+
 Found with it at 61ea4fd: the few-row tile kernel spent ~6.6 instructions per weight in its K loop, read its
 packed weights from shared memory two bytes at a time, and loaded block scales one byte at a time
 synchronously (fixed with an alignment hint at 0dcb044, which changed no timing); the gemv engine's loop has
@@ -186,10 +189,14 @@ def main(argv=None):
   p.add_argument("--lora-xa", type=int, default=0, metavar="RANK",
                  help="gemv: the launch that also computes x @ A for an adapter of this rank (nvfp4_matmul_xa)")
   p.add_argument("--out", default="/tmp/kernel_sass")
+  p.add_argument("--mosaic", default="", metavar="STAGES,TILE_K,DECODE,TILE_N",
+                 help="on a GPU: the Mosaic GPU forward kernel with this config (e.g. 4,256,bits,64)")
   args = p.parse_args(argv)
 
   model, layer = args.shape.removeprefix("qwen2.5-").split(".")
   k, n = MODELS[model][layer]
+  if args.mosaic:
+    return mosaic_main(args, k, n)
   cfg = config_lib.get_config(args.direction, args.rows, k, n, "NVIDIA H200")
   if args.block:
     bm, bn, bk, warps, stages = map(int, args.block.split(","))
@@ -235,6 +242,59 @@ def main(argv=None):
     print(f"  {count:5d}  {name}")
   print("  top opcodes: " + ", ".join(f"{op} {c}" for op, c in opcodes.most_common(12)))
   print(f"files: {base}.{{ttir,ttgir,ptx,sass,json}}")
+  return summary
+
+
+def mosaic_config(spec: str, rows: int, k: int, n: int):
+  """The MgpuConfig "STAGES,TILE_K,DECODE,TILE_N" names at this shape (row tile and split as the dispatch picks)."""
+  from kernels import nvfp4_mgpu  # pylint: disable=import-outside-toplevel
+  try:
+    stages, tile_k, decode, tile_n = spec.split(",")
+    entry = config_lib.Nvfp4MatmulConfig(engine="mosaic", block_m=128, block_n=int(tile_n), block_k=int(tile_k),
+                                         num_stages=int(stages))
+  except ValueError as e:
+    raise SystemExit(f"--mosaic {spec!r}: expected STAGES,TILE_K,DECODE,TILE_N such as 4,256,bits,64 ({e})") from e
+  return dataclasses.replace(nvfp4_mgpu.from_matmul_config(entry, rows, k, n), decode=decode)
+
+
+def mosaic_main(args, k: int, n: int):
+  """Compiles and runs the Mosaic GPU kernel once with MOSAIC_GPU_DUMP_TO set, then reads its SASS."""
+  import glob  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from kernels import nvfp4_mgpu  # pylint: disable=import-outside-toplevel
+  from qerl_jax.quant.api import quantize_NxK  # pylint: disable=import-outside-toplevel
+  cfg = mosaic_config(args.mosaic, args.rows, k, n)
+  if jax.default_backend() != "gpu":
+    raise SystemExit("--mosaic needs a GPU: Mosaic GPU compiles to PTX and SASS inside the CUDA plugin")
+  tag = f"{args.shape}.fwd.{args.rows}.mosaic-s{cfg.stages}-k{cfg.tile_k}-{cfg.decode}-n{cfg.tile_n}"
+  dump = os.path.join(os.path.abspath(args.out), tag)
+  os.makedirs(dump, exist_ok=True)
+  os.environ["MOSAIC_GPU_DUMP_TO"] = dump  # read when the kernel compiles, below
+  w = quantize_NxK(jax.random.normal(jax.random.key(0), (n, k), jnp.float32) * 0.02, "nvfp4")
+  x = jax.random.normal(jax.random.key(1), (args.rows, k), jnp.bfloat16)
+  y = jax.jit(lambda x: nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(x, w.packed_NxKh, w.scale_NxKb, w.global_scale,
+                                                           config=cfg))(x)
+  np.asarray(y)
+  sass_files = [f for f in glob.glob(os.path.join(dump, "*")) if "sass" in os.path.basename(f).lower()]
+  if not sass_files:
+    raise SystemExit(f"no SASS in {dump}: {sorted(os.listdir(dump))}")
+  with open(max(sass_files, key=os.path.getsize)) as f:
+    sass = f.read()
+  opcodes, classes, length = loop_mix(sass)
+  per_thread = cfg.tile_n * cfg.tile_k / 128  # one warpgroup decodes the program's [tile_n, tile_k] codes per step
+  summary = dict(shape=args.shape, direction="fwd", rows=args.rows, engine="mosaic", config=dataclasses.asdict(cfg),
+                 loop_instructions=length, weights_per_thread_per_trip=per_thread,
+                 instructions_per_weight=round(length / per_thread, 2), files=sorted(os.listdir(dump)),
+                 classes=dict(classes.most_common()), opcodes=dict(opcodes.most_common()))
+  with open(dump + ".json", "w") as f:
+    json.dump(summary, f, indent=1)
+  print(f"{args.shape} fwd rows={args.rows} {cfg}")
+  print(f"K loop: {length} instructions per thread per step, {per_thread:.0f} weights per thread -> "
+        f"{length / per_thread:.2f} per weight")
+  for name, count in classes.most_common():
+    print(f"  {count:5d}  {name}")
+  print("  top opcodes: " + ", ".join(f"{op} {c}" for op, c in opcodes.most_common(16)))
+  print(f"files: {dump}/ ({', '.join(summary['files'])})")
   return summary
 
 
