@@ -32,7 +32,8 @@ DEFAULT_OUT = os.path.join(ROOT, "experiments", "results", "grpo_step.jsonl")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_rollout import QWEN25, _filler, model_config, synthetic_base  # noqa: E402
+from bench_rollout import (QWEN25, _filler, add_per_run_flags, model_config, refuse_per_run_flags,  # noqa: E402
+                           synthetic_base)
 from experiments.provenance import commit  # noqa: E402
 
 
@@ -180,7 +181,8 @@ def run_one(args) -> dict:
 
 
 def main():
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                              allow_abbrev=False)
   p.add_argument("--models", nargs="+", default=["qwen2.5-7b"], choices=sorted(QWEN25))
   p.add_argument("--quants", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4"])
   p.add_argument("--prompts", type=int, default=8)
@@ -203,10 +205,9 @@ def main():
   p.add_argument("--out", default=None,
                  help="JSON lines file (default experiments/results/grpo_step.jsonl; with --smoke, none)")
   p.add_argument("--smoke", action="store_true", help="tiny model and lengths: checks the script runs (CPU)")
-  p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
-  p.add_argument("--model", help=argparse.SUPPRESS)
-  p.add_argument("--quant", help=argparse.SUPPRESS)
+  add_per_run_flags(p)
   args = p.parse_args()
+  refuse_per_run_flags(p, args)
   if args.one:
     print("RECORD " + json.dumps(run_one(args)), flush=True)
     return

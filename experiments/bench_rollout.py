@@ -222,8 +222,21 @@ def _time_hf(args, model, spec, batch):
               transformers=transformers.__version__)
 
 
+def add_per_run_flags(p: argparse.ArgumentParser) -> None:
+  """The hidden flags the parent passes to each run's subprocess (``--one --model M --quant Q``)."""
+  p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--model", help=argparse.SUPPRESS)
+  p.add_argument("--quant", help=argparse.SUPPRESS)
+
+
+def refuse_per_run_flags(p: argparse.ArgumentParser, args) -> None:
+  """A --model or --quant typed for --models / --quants would be ignored and the defaults run: refuse it."""
+  if not args.one and (args.model or args.quant):
+    p.error("--model and --quant are the per-run flags of the subprocess; use --models and --quants")
+
+
 def main():
-  # No abbreviations: the hidden per-run flags below would swallow a mistyped --model / --quant.
+  # No abbreviations (allow_abbrev=False): "--model" must not stand for "--models" or the reverse.
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                               allow_abbrev=False)
   p.add_argument("--models", nargs="+", default=["qwen2.5-7b"], choices=sorted(QWEN25))
@@ -248,12 +261,9 @@ def main():
                       "and recorded as xla_flags; e.g. '|--xla_gpu_enable_command_buffer=FUSION,CUBLAS,WHILE' "
                       "runs the default, then the same with command buffers")
   p.add_argument("--smoke", action="store_true", help="tiny model, few tokens: checks the script runs")
-  p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
-  p.add_argument("--model", help=argparse.SUPPRESS)
-  p.add_argument("--quant", help=argparse.SUPPRESS)
+  add_per_run_flags(p)
   args = p.parse_args()
-  if not args.one and (args.model or args.quant):
-    p.error("--model and --quant are the per-run flags of the subprocess; use --models and --quants")
+  refuse_per_run_flags(p, args)
   if args.one:
     for record in (run_hf(args) if args.quant == "hf-bf16" else run_one(args)):
       print("RECORD " + json.dumps(record), flush=True)

@@ -127,10 +127,11 @@ def test_bench_rollout_transformers_peer_runs(tmp_path):
   assert r["tokens_per_s"] > 0 and r["transformers"]
 
 
+@pytest.mark.parametrize("script", ["bench_rollout.py", "bench_grpo_step.py"])
 @pytest.mark.parametrize("flag", ["--model", "--quant"])
-def test_bench_rollout_refuses_the_subprocess_flags(flag, tmp_path):
+def test_benches_refuse_the_subprocess_flags(script, flag, tmp_path):
   # A mistyped --model once ran the default 7B instead of the 32B asked for (a GPU call spent on the wrong model).
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "bench_rollout.py"), flag, "qwen2.5-32b",
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), flag, "qwen2.5-32b",
                          "--out", str(tmp_path / "r.jsonl")], cwd=ROOT, capture_output=True, text=True)
   assert proc.returncode == 2 and "use --models and --quants" in proc.stderr
   assert not (tmp_path / "r.jsonl").exists()
