@@ -14,8 +14,12 @@ a9618a4; a profiler trace states the GPU's: ``bench_kernels --trace`` records it
 jax's own. Files (ttir, the TTIR after Triton's passes as .opt.ttir, ttgir, ptx, sass, JSON summary) go to
 ``--out``.
 
-``--mosaic`` (on a GPU only: Mosaic GPU assembles inside the CUDA plugin) compiles the Mosaic GPU forward kernel
-(``kernels/nvfp4_mgpu.py``) with its dump switches on and reads the same mix from the SASS it wrote.
+``--mosaic`` (on a GPU only: Mosaic GPU compiles inside the CUDA plugin) compiles the Mosaic GPU forward kernel
+(``kernels/nvfp4_mgpu.py``) with its dump switches on and reads the same mix from its SASS. The H200 machine
+has no nvdisasm, so Mosaic GPU dumps PTX only; this tool assembles that PTX with the pip Triton's ptxas
+(``assemble_ptx``; ``--ptx FILE`` does the same for a PTX file brought back). Mosaic GPU writes PTX ISA 9.0 and
+Triton 3.6's ptxas reads 8.8: the version line is lowered, which at 584a6d9 gave the register count the GPU's
+own ptxas reported (125).
 
 Found with it at 61ea4fd: the few-row tile kernel spent ~6.6 instructions per weight in its K loop, read its
 packed weights from shared memory two bytes at a time, and loaded block scales one byte at a time
@@ -191,7 +195,11 @@ def main(argv=None):
   p.add_argument("--out", default="/tmp/kernel_sass")
   p.add_argument("--mosaic", default="", metavar="STAGES,TILE_K,DECODE,TILE_N",
                  help="on a GPU: the Mosaic GPU forward kernel with this config (e.g. 4,256,bits,64)")
+  p.add_argument("--ptx", default="", metavar="FILE",
+                 help="assemble this PTX file for sm_90a (e.g. Mosaic GPU's dump) and read its loop; no GPU needed")
   args = p.parse_args(argv)
+  if args.ptx:
+    return ptx_main(args.ptx, args.out)
 
   model, layer = args.shape.removeprefix("qwen2.5-").split(".")
   k, n = MODELS[model][layer]
@@ -245,6 +253,53 @@ def main(argv=None):
   return summary
 
 
+def ptx_at_version(ptx: str, version: str) -> str:
+  """The PTX text with its ``.version`` line set to ``version`` (an older ptxas refuses a newer ISA number even
+  where the instructions are all its own)."""
+  out, count = re.subn(r"^\.version\s+\d+\.\d+", f".version {version}", ptx, count=1, flags=re.M)
+  if not count:
+    raise ValueError("no .version line: not PTX text")
+  return out
+
+
+def assemble_ptx(ptx: str, out_base: str) -> dict[str, str]:
+  """Assembles PTX for sm_90a with the pip Triton's newest ptxas (lowering .version once if it asks) and returns
+  the SASS (``cuobjdump -sass``) and ptxas' report; files go to ``out_base``.{ptx,cubin,sass}."""
+  import triton  # pylint: disable=import-outside-toplevel
+  tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+  ptxas = next(p for p in (os.path.join(tools, "ptxas-blackwell"), os.path.join(tools, "ptxas")) if os.path.exists(p))
+  for _ in range(2):
+    with open(out_base + ".ptx", "w") as f:
+      f.write(ptx)
+    run = subprocess.run([ptxas, "-arch=sm_90a", "-O3", "-v", out_base + ".ptx", "-o", out_base + ".cubin"],
+                         capture_output=True, text=True)
+    wanted = re.search(r"Unsupported \.version \d+\.\d+; current version is '(\d+\.\d+)'", run.stderr)
+    if run.returncode == 0 or not wanted:
+      break
+    ptx = ptx_at_version(ptx, wanted.group(1))
+  if run.returncode:
+    raise RuntimeError(f"ptxas failed on {out_base}.ptx:\n{run.stderr[-2000:]}")
+  sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", out_base + ".cubin"], check=True,
+                        capture_output=True, text=True).stdout
+  with open(out_base + ".sass", "w") as f:
+    f.write(sass)
+  return {"sass": sass, "ptxas": run.stderr}
+
+
+def ptx_main(path: str, out_dir: str):
+  """--ptx: one PTX file's K-loop mix, printed and returned."""
+  os.makedirs(out_dir, exist_ok=True)
+  with open(path) as f:
+    out = assemble_ptx(f.read(), os.path.join(out_dir, os.path.splitext(os.path.basename(path))[0]))
+  opcodes, classes, length = loop_mix(out["sass"])
+  print(out["ptxas"].strip())
+  print(f"K loop: {length} instructions per thread per trip")
+  for name, count in classes.most_common():
+    print(f"  {count:5d}  {name}")
+  print("  top opcodes: " + ", ".join(f"{op} {c}" for op, c in opcodes.most_common(16)))
+  return dict(loop_instructions=length, classes=dict(classes), opcodes=dict(opcodes))
+
+
 def mosaic_config(spec: str, rows: int, k: int, n: int):
   """The MgpuConfig "STAGES,TILE_K,DECODE,TILE_N" names at this shape (row tile and split as the dispatch picks)."""
   from kernels import nvfp4_mgpu  # pylint: disable=import-outside-toplevel
@@ -276,10 +331,15 @@ def mosaic_main(args, k: int, n: int):
                                                            config=cfg))(x)
   np.asarray(y)
   sass_files = [f for f in glob.glob(os.path.join(dump, "*")) if "sass" in os.path.basename(f).lower()]
-  if not sass_files:
-    raise SystemExit(f"no SASS in {dump}: {sorted(os.listdir(dump))}")
-  with open(max(sass_files, key=os.path.getsize)) as f:
-    sass = f.read()
+  ptx_files = glob.glob(os.path.join(dump, "*.ptx"))
+  if sass_files:
+    with open(max(sass_files, key=os.path.getsize)) as f:
+      sass = f.read()
+  elif ptx_files:  # no nvdisasm on the machine: Mosaic GPU wrote the PTX only
+    with open(max(ptx_files, key=os.path.getsize)) as f:
+      sass = assemble_ptx(f.read(), os.path.join(dump, "local"))["sass"]
+  else:
+    raise SystemExit(f"no SASS or PTX in {dump}: {sorted(os.listdir(dump))}")
   opcodes, classes, length = loop_mix(sass)
   per_thread = cfg.tile_n * cfg.tile_k / 128  # one warpgroup decodes the program's [tile_n, tile_k] codes per step
   summary = dict(shape=args.shape, direction="fwd", rows=args.rows, engine="mosaic", config=dataclasses.asdict(cfg),

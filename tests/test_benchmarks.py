@@ -246,6 +246,16 @@ def test_kernel_sass_lowers_the_tuned_kernel_and_reads_its_loop():
   assert classes["global load (sync)"] == 1 and classes["tensor core"] == 1 and classes["integer"] == 1
 
 
+def test_kernel_sass_lowers_only_the_ptx_version_line():
+  # Mosaic GPU writes PTX ISA 9.0; the pip Triton's ptxas reads 8.8 (kernel_sass.assemble_ptx lowers the line).
+  from experiments import kernel_sass
+  ptx = "//\n// Generated\n.version 9.0\n.target sm_90a\n.address_size 64\n\t// .version 9.0 in a comment\n"
+  got = kernel_sass.ptx_at_version(ptx, "8.8")
+  assert got.splitlines()[2] == ".version 8.8" and got.replace(".version 8.8", ".version 9.0", 1) == ptx
+  with pytest.raises(ValueError, match="no .version line"):
+    kernel_sass.ptx_at_version(".target sm_90a\n", "8.8")
+
+
 def test_tuning_variant_changes_one_entry_and_refuses_bad_ones(tmp_path):
   # experiments.tuning_variant: the H200 file with one entry's fields changed, loadable as QERL_KERNEL_TUNING.
   from experiments import tuning_variant
