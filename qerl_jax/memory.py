@@ -32,6 +32,7 @@ from qerl_jax import sharding
 from qerl_jax.model.base import empty_base, proj_shapes, schemes_for
 from qerl_jax.model.config import ModelConfig
 from qerl_jax.model.linear import PROJ_NAMES
+from qerl_jax.model.transformer import SHARED_INPUT
 from qerl_jax.quant.types import NVFP4Tensor
 
 GB = 1e9
@@ -163,7 +164,12 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
     for name in ("input_layernorm", "post_attention_layernorm"):
       lora_tree["layers"][name] = jax.ShapeDtypeStruct((cfg.num_layers, cfg.hidden_size), np.float32)
   lora = _tree_bytes(lora_tree, "params", sizes)
-  layer_copies = (_tree_bytes({"layers": copied}, "frozen", sizes) + lora) if cfg.decode_layers == "unrolled" else 0
+  # The unrolled rollout also holds each layer's A's of q|k|v and gate|up side by side (`unstack_layers`).
+  shared = [[name for name in group if name in lora_targets] for group in SHARED_INPUT.values()]
+  shared_a = {name: {"lora_a": lora_tree["layers"][name]["lora_a"]} for names in shared if len(names) > 1
+              for name in names}
+  layer_copies = (_tree_bytes({"layers": copied}, "frozen", sizes) + lora
+                  + _tree_bytes({"layers": shared_a}, "params", sizes)) if cfg.decode_layers == "unrolled" else 0
   lora_f32 = lora * 4 // lora_it if lora_it != 4 else lora
   optimizer = 2 * lora
   grads = 2 * lora_f32 + lora  # f32 accumulator, one micro-batch's grads (f32 inside), the update tree

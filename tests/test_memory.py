@@ -53,10 +53,12 @@ def test_exact_parts_match_hand_counts():
   dense = sum(L * k * n * 2 for k, n in projections.values())
   assert b.weights == weights - sum(_nvfp4_bytes(k, n, L) for k, n in projections.values()) + dense
   # The unrolled rollout copies the layer parameters nothing reads in place: biases and block norms, plus
-  # the adapters, over NVFP4; the 16-bit weights too over bf16. "scan" copies nothing.
+  # the adapters and the A's of q|k|v and gate|up side by side, over NVFP4; the 16-bit weights too over bf16.
+  # "scan" copies nothing.
   small = L * (64 + 32 + 32) * 2 + 2 * L * D * 4
-  assert p.layer_copies == small + lora
-  assert b.layer_copies == small + dense + lora
+  side_by_side = L * D * r * 4 * 5  # A [D, r] float32 of q, k, v, gate and up
+  assert p.layer_copies == small + lora + side_by_side
+  assert b.layer_copies == small + dense + lora + side_by_side
   assert b.rollout_peak - b.layer_copies == memory.plan(cfg.replace(decode_layers="scan"), "bf16", batch, prompt,
                                                          new, None, r, 4, True).rollout_peak
 

@@ -211,8 +211,17 @@ def _add_terms(y: jax.Array, p: dict[str, Any], xa_BxTxR: jax.Array | None, lora
   return y
 
 
+def shared_lora_a(ps: Sequence[dict[str, Any]]) -> jax.Array | None:
+  """[A1 | A2 | ...] [..., K, sum of ranks] of the projections in ``ps`` that have adapters, the one x @ A matmul
+  `linears` runs for their shared input; None where fewer than two have adapters or their dtypes differ."""
+  with_lora = [p for p in ps if p.get("lora_a") is not None]
+  if len(with_lora) < 2 or len({(p["lora_a"].dtype, p["lora_b"].dtype) for p in with_lora}) > 1:
+    return None
+  return jnp.concatenate([p["lora_a"] for p in with_lora], axis=-1)
+
+
 def linears(x_BxTxK: jax.Array, ps: Sequence[dict[str, Any]], lora_scale: float, fused: bool = False,
-            gemv_xa: bool = False) -> list:
+            gemv_xa: bool = False, a_KxRs: jax.Array | None = None) -> list:
   """`linear` for several projections of the same input (q/k/v, gate/up), their adapters' x @ A as one matmul.
 
   At one decode row XLA runs each x @ A as its own small reduction kernel (7B, batch 1, 3c549d8: 196 per
@@ -220,14 +229,16 @@ def linears(x_BxTxK: jax.Array, ps: Sequence[dict[str, Any]], lora_scale: float,
   on an H200 (0dc83ad, with a gemv retune in the same commit): the NVFP4 step 5.36 -> 5.07 ms; the bf16
   rollout 8.36 -> 6.44 ms per step since 61ea4fd. Each column of x @ [A1 | A2 | ...] is the same dot as x @ Ai.
   gemv_xa (`linear`): at decode rows on NVFP4 weights each projection's gemv computes its own x @ A instead.
+  a_KxRs: ``shared_lora_a(ps)`` made ahead (the rollout makes it once, before its decode loop: XLA does not
+  hoist the concatenation out of the loop, and on an H200 it ran as two ~1.7 us kernels per layer and token).
   """
   with_lora = [p for p in ps if p.get("lora_a") is not None]
   if gemv_xa and not fused and with_lora and all(_xa_in_gemv(x_BxTxK, p) for p in with_lora):
     return [linear(x_BxTxK, p, lora_scale, gemv_xa=True) for p in ps]
-  dtypes = {(p["lora_a"].dtype, p["lora_b"].dtype) for p in with_lora}
-  if len(with_lora) < 2 or len(dtypes) > 1:
+  if a_KxRs is None:
+    a_KxRs = shared_lora_a(ps)
+  if a_KxRs is None:
     return [linear(x_BxTxK, p, lora_scale, fused) for p in ps]
-  a_KxRs = jnp.concatenate([p["lora_a"] for p in with_lora], axis=-1)
   xa_BxTxRs = lora_xa(x_BxTxK, a_KxRs, with_lora[0]["lora_b"])
   ends = np.cumsum([p["lora_a"].shape[-1] for p in with_lora])[:-1]
   xas = iter(jnp.split(xa_BxTxRs, ends, axis=-1))  # in the order of with_lora, i.e. of ps

@@ -35,9 +35,11 @@ from flax import nnx
 from qerl_jax.model import attention as attn
 from qerl_jax.model.config import ModelConfig
 from qerl_jax.model.linear import (PROJ_NAMES, Frozen, LayerOf, LoraConfig, Projection, init_loras, linear, linears,
-                                   logical_shape)
+                                   logical_shape, shared_lora_a)
 from qerl_jax.quant.types import NVFP4Tensor
 
+# Projections that read the same input; their adapters' x @ A run as one matmul (`linears`).
+SHARED_INPUT = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 NOISE_KEYS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
 # RMSNorm scales that `train_norms=True` makes trainable: the block norms, as the QeRL authors train.
 TRAINABLE_NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -69,7 +71,8 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
   eps = config.rms_norm_eps
   fused, gemv_xa = config.fused_lora, config.gemv_lora_xa
   h = attn.rms_norm(x_BxTxD, p["input_layernorm"], eps, noise.get("input_layernorm"))
-  q, k, v = linears(h, [p["q_proj"], p["k_proj"], p["v_proj"]], lora_scale, fused, gemv_xa)
+  shared_a = p.get("shared_lora_a", {})  # made once per rollout by `unstack_layers`, else in `linears`
+  q, k, v = linears(h, [p["q_proj"], p["k_proj"], p["v_proj"]], lora_scale, fused, gemv_xa, shared_a.get("qkv"))
   q = q.reshape(b, t, config.num_heads, config.head_dim)
   k, v = (y.reshape(b, t, config.num_kv_heads, config.head_dim) for y in (k, v))
   if config.qk_norm:
@@ -103,7 +106,8 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
       o = attn.attend(q, k_all, v_all, mask_BxTxS, config.attn_query_chunk)
   x_BxTxD = x_BxTxD + linear(o, p["o_proj"], lora_scale, fused, gemv_xa=gemv_xa)
   h = attn.rms_norm(x_BxTxD, p["post_attention_layernorm"], eps, noise.get("post_attention_layernorm"))
-  g, u = (y.astype(jnp.float32) for y in linears(h, [p["gate_proj"], p["up_proj"]], lora_scale, fused, gemv_xa))
+  g, u = (y.astype(jnp.float32)
+          for y in linears(h, [p["gate_proj"], p["up_proj"]], lora_scale, fused, gemv_xa, shared_a.get("gate_up")))
   m = (jax.nn.silu(g) * u).astype(x_BxTxD.dtype)
   x_BxTxD = x_BxTxD + linear(m, p["down_proj"], lora_scale, fused, gemv_xa=gemv_xa)
   return x_BxTxD, kv
@@ -223,13 +227,21 @@ def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
 
   Every stacked leaf is sliced here, once (a copy of the 16-bit weights, adapters, norms and biases), except
   the NVFP4 weights, which stay whole as `LayerOf(stack, l)` because the fused kernels read a layer in place.
-  The rollout does this before its decode loop, so a decode step runs on its own per-layer buffers.
+  Each layer also gets "shared_lora_a": the concatenated A's of the projections that share an input
+  (`SHARED_INPUT`, `linears`). The rollout does this before its decode loop, so a decode step runs on its own
+  per-layer buffers.
   """
   sliced, whole = _read_in_place(params["layers"])
   num_layers = _num_layers(sliced if jax.tree.leaves(sliced) else whole)
-  per_layer = [_with_whole(jax.tree.map(lambda a, layer=layer: a[layer], sliced), whole, layer)
+  per_layer = [_with_shared_a(_with_whole(jax.tree.map(lambda a, layer=layer: a[layer], sliced), whole, layer))
                for layer in range(num_layers)]
   return {**params, "layers": per_layer}
+
+
+def _with_shared_a(p: dict[str, Any]) -> dict[str, Any]:
+  shared = {group: shared_lora_a([p[name] for name in names]) for group, names in SHARED_INPUT.items()
+            if all(name in p for name in names)}
+  return {**p, "shared_lora_a": {group: a for group, a in shared.items() if a is not None}}
 
 
 def _with_whole(p: dict[str, Any], whole: dict[str, Any], layer) -> dict[str, Any]:
