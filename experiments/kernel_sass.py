@@ -63,9 +63,11 @@ _CLASSES = {
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([.\w]*)")
 
 
-def triton_ir(direction: str, rows: int, k: int, n: int, cfg: config_lib.Nvfp4MatmulConfig, xa_rank: int = 0) -> str:
+def triton_ir(direction: str, rows: int, k: int, n: int, cfg: config_lib.Nvfp4MatmulConfig, xa_rank: int = 0,
+              epilogue_rank: int = 0) -> str:
   """The kernel's Triton IR as text Triton's own parser reads (jax's debug print, locations stripped).
-  xa_rank: the gemv launch that also computes x @ A for a float32 adapter of this rank."""
+  xa_rank: the gemv launch that also computes x @ A for a float32 adapter of this rank. epilogue_rank: the
+  forward with the fused epilogue (bias and a bf16 adapter of this rank: ``fused_lora``)."""
   from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
 
   packed = jax.ShapeDtypeStruct((n, k // 2), jnp.uint8)
@@ -74,6 +76,11 @@ def triton_ir(direction: str, rows: int, k: int, n: int, cfg: config_lib.Nvfp4Ma
   if direction == "fwd" and xa_rank:
     adapter = jnp.zeros((k, xa_rank), jnp.float32)
     f = lambda a, p, s, g: nvfp4_gemv.nvfp4_gemv_xa_pallas(a, p, s, g, adapter, config=cfg)
+    a = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
+  elif direction == "fwd" and epilogue_rank:
+    xa, b = jnp.zeros((rows, epilogue_rank), jnp.bfloat16), jnp.zeros((epilogue_rank, n), jnp.bfloat16)
+    f = lambda a, p, s, g: nvfp4_matmul_fwd_pallas(a, p, s, g, config=cfg, xa_MxR=xa, b_RxN=b,
+                                                   bias_N=jnp.zeros((n,), jnp.bfloat16), lora_scale=2.0)
     a = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
   elif direction == "fwd":
     f = lambda a, p, s, g: nvfp4_matmul_fwd_pallas(a, p, s, g, config=cfg)
@@ -190,6 +197,8 @@ def main(argv=None):
                       "with --block, from its block_k)")
   p.add_argument("--half", action="store_true",
                  help="gemv, e4m3-route decoder: float16 block sums (Nvfp4MatmulConfig.half_products)")
+  p.add_argument("--epilogue", type=int, default=0, metavar="RANK",
+                 help="tile forward: with the fused epilogue (bias and a bf16 adapter of this rank)")
   p.add_argument("--lora-xa", type=int, default=0, metavar="RANK",
                  help="gemv: the launch that also computes x @ A for an adapter of this rank (nvfp4_matmul_xa)")
   p.add_argument("--out", default="/tmp/kernel_sass")
@@ -224,18 +233,20 @@ def main(argv=None):
   os.makedirs(args.out, exist_ok=True)
   base = os.path.join(args.out, f"{args.shape}.{args.direction}.{args.rows}")
   with open(base + ".ttir", "w") as f:
-    f.write(triton_ir(args.direction, args.rows, k, n, cfg, args.lora_xa))
+    f.write(triton_ir(args.direction, args.rows, k, n, cfg, args.lora_xa, args.epilogue))
   out = compile_sm90(base + ".ttir", cfg.num_warps, cfg.num_stages)
   for ext in ("ttgir", "ptx", "sass"):
     with open(f"{base}.{ext}", "w") as f:
       f.write(out[ext])
   opcodes, classes, length = loop_mix(out["sass"])
+  total = len(_INSTR.findall(out["sass"]))  # static count, the loop once: what runs once per program is the rest
   occupancy = programs_per_sm(out["registers"], out["shared_bytes"], cfg.num_warps)
   # Each trip of the K loop decodes a [block_n, block_k] weight tile (forward, backward and gemv alike),
   # spread over num_warps * 32 threads.
   per_thread = cfg.block_n * cfg.block_k / (cfg.num_warps * 32)
   summary = dict(shape=args.shape, direction=args.direction, rows=args.rows, config=dataclasses.asdict(cfg),
-                 loop_instructions=length, weights_per_thread_per_trip=per_thread,
+                 loop_instructions=length, outside_loop_instructions=total - length,
+                 weights_per_thread_per_trip=per_thread,
                  instructions_per_weight=round(length / per_thread, 2), shared_bytes=out["shared_bytes"],
                  registers=out["registers"], occupancy=occupancy,
                  classes=dict(classes.most_common()), opcodes=dict(opcodes.most_common()))
@@ -245,7 +256,8 @@ def main(argv=None):
   print(f"K loop: {length} instructions per thread per trip, {per_thread:.0f} weights per thread -> "
         f"{length / per_thread:.2f} per weight; shared memory {out['shared_bytes']} bytes, "
         f"{out['registers']} registers per thread -> {occupancy['programs']} programs "
-        f"({occupancy['warps']} warps) per SM, limited by {occupancy['limited_by']}")
+        f"({occupancy['warps']} warps) per SM, limited by {occupancy['limited_by']}; {total - length} "
+        f"instructions outside the loop")
   for name, count in classes.most_common():
     print(f"  {count:5d}  {name}")
   print("  top opcodes: " + ", ".join(f"{op} {c}" for op, c in opcodes.most_common(12)))

@@ -108,6 +108,12 @@ def _load_trace(trace_dir: str) -> tuple[list, dict, dict]:
   return events, procs, threads
 
 
+def lora_label(record: dict) -> str:
+  """The --lora-epilogue choice a record ran with."""
+  fused, xa = record["fused_lora"], record.get("gemv_lora_xa")
+  return "fused+gemv-xa" if fused and xa else "fused" if fused else "gemv-xa" if xa else "xla"
+
+
 def fused_computation(hlo_text: str, kernel: str, max_lines: int = 24) -> str:
   """The HLO of the fusion a trace kernel ran ("input_reduce_fusion_113" is instruction
   "input_reduce_fusion.113"): its instruction line, then the body of the computation it calls."""
@@ -165,7 +171,8 @@ def run(args):
                 for f in (args.lora_epilogue if quant == "nvfp4" else ["xla"])]  # bf16 has no kernel epilogue
     for attention, layers, epilogue in variants:
       config = model_config(args.model).replace(decode_attention=attention, decode_layers=layers,
-                                                fused_lora=epilogue == "fused", gemv_lora_xa=epilogue == "gemv-xa")
+                                                fused_lora=epilogue.startswith("fused"),
+                                                gemv_lora_xa=epilogue.endswith("gemv-xa"))
       model = Transformer(config, base, lora=LoraConfig(rank=16, alpha=16, dtype=jnp.bfloat16), rngs=nnx.Rngs(0))
       gs = nnx.split(model)
       decode = decode_program(SamplingParams(temperature=1.0))
@@ -223,9 +230,11 @@ def main():
   p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
   p.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["xla", "pallas", "auto"])
   p.add_argument("--decode-layers", nargs="+", default=["unrolled"], choices=["unrolled", "scan"])
-  p.add_argument("--lora-epilogue", nargs="+", choices=["xla", "fused", "gemv-xa"], default=["gemv-xa"],
-                 help="NVFP4: bias and LoRA added by XLA after the matmul, fused into the kernels' epilogue, or "
-                      "(gemv-xa) x @ A computed in the gemv's launch at decode rows (ModelConfig.gemv_lora_xa)")
+  p.add_argument("--lora-epilogue", nargs="+", choices=["xla", "fused", "gemv-xa", "fused+gemv-xa"],
+                 default=["gemv-xa"],
+                 help="NVFP4: bias and LoRA added by XLA after the matmul, fused into the kernels' epilogue, "
+                      "(gemv-xa) x @ A computed in the gemv's launch at decode rows (ModelConfig.gemv_lora_xa), or "
+                      "both (the gemv's x @ A at 1-2 rows, the fused epilogue elsewhere)")
   p.add_argument("--cache-len", type=int, default=1280)
   p.add_argument("--start", type=int, default=768, help="first cache slot written (mid-rollout)")
   p.add_argument("--steps", type=int, default=16)
@@ -241,10 +250,10 @@ def main():
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(records, f)
-  print(f"\n{'quant':6s} {'batch':>5s} {'attn':6s} {'layers':8s} {'lora':7s} {'wall ms':>8s} {'kernel ms':>9s}")
+  print(f"\n{'quant':6s} {'batch':>5s} {'attn':6s} {'layers':8s} {'lora':13s} {'wall ms':>8s} {'kernel ms':>9s}")
   for r in records:
     print(f"{r['quant']:6s} {r['batch']:5d} {r['decode_attention']:6s} {r['decode_layers']:8s} "
-          f"{'fused' if r['fused_lora'] else 'gemv-xa' if r.get('gemv_lora_xa') else 'xla':7s} "
+          f"{lora_label(r):13s} "
           f"{r['ms_per_step']:8.2f} {r['kernel_ms_per_step']:9.2f}")
 
 

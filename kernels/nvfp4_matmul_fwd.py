@@ -98,7 +98,7 @@ def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *re
   y_MxN = acc_NxM.T * nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
   if epilogue.num_refs:
     extra = nvfp4_epilogue.term(epi_refs, epilogue, pl.ds(pid_m * block_m, block_m), row_mask,
-                                pl.ds(pid_n * block_n, block_n), col_mask)
+                                pl.ds(pid_n * block_n, block_n), col_mask, dot=True)
     y_MxN = y_MxN + (extra if split == 1 else jnp.where(pid_s == 0, extra, 0.0))
   mask = row_mask[:, None] & col_mask[None, :]
   if split == 1:

@@ -209,14 +209,17 @@ def test_profile_decode_runs_every_variant(tmp_path):
   out = tmp_path / "profile.json"
   subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "profile_decode.py"), "--model", "smoke",
                   "--quants", "bf16", "nvfp4", "--batches", "2", "--decode-layers", "unrolled", "scan",
-                  "--lora-epilogue", "xla", "fused", "gemv-xa", "--cache-len", "48", "--start", "32", "--steps", "2", "--reps",
-                  "1", "--out", str(out)],
+                  "--lora-epilogue", "xla", "fused", "gemv-xa", "fused+gemv-xa", "--cache-len", "48", "--start", "32",
+                  "--steps", "2", "--reps", "1", "--out", str(out)],
                  check=True, cwd=ROOT, env=dict(os.environ, QERL_COMMIT="test"), capture_output=True, text=True)
   records = json.loads(out.read_text())
-  lora = lambda r: "fused" if r["fused_lora"] else "gemv-xa" if r["gemv_lora_xa"] else "xla"  # noqa: E731
+  lora = lambda r: (r["fused_lora"], r["gemv_lora_xa"])  # noqa: E731
+  hows = [(False, False), (True, False), (False, True), (True, True)]
   assert sorted((r["quant"], r["decode_layers"], lora(r)) for r in records) == sorted([
-    ("bf16", "unrolled", "xla"), ("bf16", "scan", "xla"), *[("nvfp4", layers, how) for layers in ("unrolled", "scan")
-                                                           for how in ("xla", "fused", "gemv-xa")]])
+    ("bf16", "unrolled", (False, False)), ("bf16", "scan", (False, False)),
+    *[("nvfp4", layers, how) for layers in ("unrolled", "scan") for how in hows]])
+  from experiments.profile_decode import lora_label
+  assert {lora_label(r) for r in records} == {"xla", "fused", "gemv-xa", "fused+gemv-xa"}
   # (bf16 has no kernel to fuse into)
   assert all(r["ms_per_step"] > 0 and r["commit"] == "test" for r in records)
 

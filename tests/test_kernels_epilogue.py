@@ -11,12 +11,16 @@ from kernels.config import Nvfp4MatmulConfig
 from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
 from tests.test_kernels import _dequant_np, _random_q, _rng
 
+F32, BF16 = jnp.float32, jnp.bfloat16
 CASES = [
-  # (M, K, N, config, rank, bias)
-  (20, 64, 48, Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=32, split=2), 4, True),  # ragged, split-K
-  (37, 128, 24, Nvfp4MatmulConfig(block_m=32, block_n=16, block_k=64, dequant="halves"), 16, False),
-  (1, 64, 40, Nvfp4MatmulConfig(block_n=16, block_k=32, engine="gemv"), 8, True),  # gemv, ragged N
-  (5, 192, 56, Nvfp4MatmulConfig(block_n=32, block_k=64, split=3, engine="gemv"), 0, True),  # bias only
+  # (M, K, N, config, rank, bias, xa dtype). The tile kernels add xa @ B as one dot over the rank padded to a
+  # power of two >= 16 (masked loads), the gemv as outer products.
+  (20, 64, 48, Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=32, split=2), 4, True, F32),  # ragged, split-K
+  (37, 128, 24, Nvfp4MatmulConfig(block_m=32, block_n=16, block_k=64, dequant="halves"), 16, False, F32),
+  (20, 64, 48, Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=32, split=2), 24, True, BF16),  # rank 24 -> 32
+  (33, 128, 64, Nvfp4MatmulConfig(block_m=32, block_n=32, block_k=64, dequant="asm"), 16, True, BF16),
+  (1, 64, 40, Nvfp4MatmulConfig(block_n=16, block_k=32, engine="gemv"), 8, True, F32),  # gemv, ragged N
+  (5, 192, 56, Nvfp4MatmulConfig(block_n=32, block_k=64, split=3, engine="gemv"), 0, True, F32),  # bias only
 ]
 
 
@@ -37,12 +41,12 @@ def _assert_close(got, want, bound):
   assert not bad.any(), f"{bad.sum()} of {bad.size} wrong; max err {np.abs(got - want).max()}"
 
 
-@pytest.mark.parametrize("m,k,n,cfg,rank,with_bias", CASES)
-def test_epilogue_adds_bias_and_adapter(request, m, k, n, cfg, rank, with_bias):
+@pytest.mark.parametrize("m,k,n,cfg,rank,with_bias,xa_dtype", CASES)
+def test_epilogue_adds_bias_and_adapter(request, m, k, n, cfg, rank, with_bias, xa_dtype):
   rng = _rng(request)
   q = _random_q(rng, k, n)
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-  xa = jnp.asarray(rng.standard_normal((m, rank)), jnp.float32) if rank else None
+  xa = jnp.asarray(rng.standard_normal((m, rank)), xa_dtype) if rank else None
   b = jnp.asarray(rng.standard_normal((rank, n)), jnp.bfloat16) if rank else None
   bias = jnp.asarray(rng.standard_normal((n,)), jnp.bfloat16) if with_bias else None
   cfg = config_lib.fit(cfg, "fwd", m, k, n)

@@ -69,13 +69,17 @@ class ModelConfig:
   # token on an H200: experiments/RESULTS.md) but no extra memory.
   decode_layers: str = "unrolled"
   # NVFP4 projections add their bias and LoRA product in the matmul kernel's epilogue (one kernel instead of
-  # several small ones per projection; kernels/nvfp4_epilogue.py). Off: on an H200 (e7ec3b0, 7B decode step)
-  # it saved 0.14 ms at batch 1 but cost 0.33 ms at batch 8 and 1.4 ms at batch 64.
+  # several small ones per projection; kernels/nvfp4_epilogue.py), except where gemv_lora_xa below takes the
+  # call (1-2 rows). Off: on an H200 (e7ec3b0, 7B decode step) it saved 0.14 ms at batch 1 but cost 0.33 ms
+  # at batch 8 and 1.4 ms at batch 64, when the tile kernels formed the product as outer products (255
+  # registers at 64 rows in kernel_sass, against 96 without the epilogue); they now use one tensor-core dot
+  # (96 registers), untimed.
   fused_lora: bool = False
   # NVFP4 projections at decode rows (the gemv engine, 1-2 rows) compute the adapter's x @ A inside the gemv's
   # launch (kernels/nvfp4_matmul_xa.py) instead of XLA's own small kernels for it (~21 us per 7B layer at batch
   # 1). On an H200 at 06e7c3c: 7B batch-1 step 4.60 -> 4.47 ms (profile), batch 2 6.21 -> 5.65 ms; rollout
-  # 226.5 -> 234.8 tok/s. Elsewhere (more rows, CPU, a mesh) it changes nothing.
+  # 226.5 -> 234.8 tok/s. Elsewhere (more rows, CPU, a mesh) it changes nothing. It takes precedence over
+  # fused_lora where both apply (fused_lora's gemv epilogue lost to it at one row, e0f3129).
   gemv_lora_xa: bool = True
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()

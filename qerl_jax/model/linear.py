@@ -186,12 +186,12 @@ def linear(x_BxTxK: jax.Array, p: dict[str, Any], lora_scale: float, fused: bool
   fused: with an NVFP4 weight, add the bias and the adapter's (x @ A) @ B inside the matmul kernel's
   epilogue (`kernels.nvfp4_matmul(..., bias=, lora=)`), in float32 with one rounding, instead of as separate
   XLA operations; x @ A stays in XLA. Other weights ignore it. xa_BxTxR: x @ A already computed (`linears`).
-  gemv_xa: at decode rows on an NVFP4 weight (and without ``fused``), x @ A is computed in the gemv's launch
-  where a kernel takes it (`_xa_in_gemv`).
+  gemv_xa: at decode rows on an NVFP4 weight, x @ A is computed in the gemv's launch where a kernel takes it
+  (`_xa_in_gemv`); there it takes precedence over ``fused``.
   """
   w = p["w"]
   has_lora = p.get("lora_a") is not None
-  if gemv_xa and xa_BxTxR is None and not fused and _xa_in_gemv(x_BxTxK, p):
+  if gemv_xa and xa_BxTxR is None and _xa_in_gemv(x_BxTxK, p):
     y, xa_f32 = base_matmul_xa(x_BxTxK, w, p["lora_a"])
     return _add_terms(y, p, xa_f32.astype(p["lora_b"].dtype), lora_scale)
   if has_lora and xa_BxTxR is None:
@@ -233,7 +233,7 @@ def linears(x_BxTxK: jax.Array, ps: Sequence[dict[str, Any]], lora_scale: float,
   hoist the concatenation out of the loop, and on an H200 it ran as two ~1.7 us kernels per layer and token).
   """
   with_lora = [p for p in ps if p.get("lora_a") is not None]
-  if gemv_xa and not fused and with_lora and all(_xa_in_gemv(x_BxTxK, p) for p in with_lora):
+  if gemv_xa and with_lora and all(_xa_in_gemv(x_BxTxK, p) for p in with_lora):
     return [linear(x_BxTxK, p, lora_scale, gemv_xa=True) for p in ps]
   if a_KxRs is None:
     a_KxRs = shared_lora_a(ps)
