@@ -239,6 +239,7 @@ def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _with_shared_a(p: dict[str, Any]) -> dict[str, Any]:
+  """One layer's parameters with "shared_lora_a": {group: [A1 | A2 | ...]} for each `SHARED_INPUT` group."""
   shared = {group: shared_lora_a([p[name] for name in names]) for group, names in SHARED_INPUT.items()
             if all(name in p for name in names)}
   return {**p, "shared_lora_a": {group: a for group, a in shared.items() if a is not None}}
