@@ -258,11 +258,16 @@ def main(argv=None):
         f"{out['registers']} registers per thread -> {occupancy['programs']} programs "
         f"({occupancy['warps']} warps) per SM, limited by {occupancy['limited_by']}; {total - length} "
         f"instructions outside the loop")
-  for name, count in classes.most_common():
-    print(f"  {count:5d}  {name}")
-  print("  top opcodes: " + ", ".join(f"{op} {c}" for op, c in opcodes.most_common(12)))
+  print_mix(classes, opcodes, 12)
   print(f"files: {base}.{{ttir,ttgir,ptx,sass,json}}")
   return summary
+
+
+def print_mix(classes: collections.Counter, opcodes: collections.Counter, top: int) -> None:
+  """The K loop's instruction classes, then its ``top`` most frequent opcodes."""
+  for name, count in classes.most_common():
+    print(f"  {count:5d}  {name}")
+  print("  top opcodes: " + ", ".join(f"{op} {c}" for op, c in opcodes.most_common(top)))
 
 
 def ptx_at_version(ptx: str, version: str) -> str:
@@ -306,9 +311,7 @@ def ptx_main(path: str, out_dir: str):
   opcodes, classes, length = loop_mix(out["sass"])
   print(out["ptxas"].strip())
   print(f"K loop: {length} instructions per thread per trip")
-  for name, count in classes.most_common():
-    print(f"  {count:5d}  {name}")
-  print("  top opcodes: " + ", ".join(f"{op} {c}" for op, c in opcodes.most_common(16)))
+  print_mix(classes, opcodes, 16)
   return dict(loop_instructions=length, classes=dict(classes), opcodes=dict(opcodes))
 
 
@@ -363,9 +366,7 @@ def mosaic_main(args, k: int, n: int):
   print(f"{args.shape} fwd rows={args.rows} {cfg}")
   print(f"K loop: {length} instructions per thread per step, {per_thread:.0f} weights per thread -> "
         f"{length / per_thread:.2f} per weight")
-  for name, count in classes.most_common():
-    print(f"  {count:5d}  {name}")
-  print("  top opcodes: " + ", ".join(f"{op} {c}" for op, c in opcodes.most_common(16)))
+  print_mix(classes, opcodes, 16)
   print(f"files: {dump}/ ({', '.join(summary['files'])})")
   return summary
 
