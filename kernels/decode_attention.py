@@ -128,6 +128,9 @@ def decode_attention(q_BxHxD: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       interpret=interpret,
       name="decode_attention",
   )(q, layer_1, visible_1, mask_BxS.astype(jnp.int32), k2, v2)
-  weights = jax.nn.softmax(lse, axis=0)[..., None]  # merge the splits by their log-sum-exps
-  out = jnp.sum(weights * o_part, axis=0)[:, :, :g]
+  if splits == 1:  # nothing to merge (e.g. 128 rollout rows of 7B: b * kvh programs fill the GPU), no XLA kernels
+    out = o_part[0, :, :, :g]
+  else:
+    weights = jax.nn.softmax(lse, axis=0)[..., None]  # merge the splits by their log-sum-exps
+    out = jnp.sum(weights * o_part, axis=0)[:, :, :g]
   return out.reshape(b, h * d).astype(q_BxHxD.dtype)

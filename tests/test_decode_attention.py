@@ -78,3 +78,13 @@ def test_decode_attention_lowers_to_triton_for_cuda():
   f = lambda q, k, v, mask, n: decode_attention(q, k, v, jnp.int32(1), mask, num_visible=n, block_s=16)
   text = jax.jit(f).trace(q, k, v, mask, jnp.int32(40)).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("splits,merges", [(1, False), (3, True)])
+def test_one_split_leaves_nothing_to_merge(splits, merges):
+  # With one split per (row, kv head) the kernel's normalized output is the answer: no softmax over splits
+  # follows it (three small XLA kernels per layer on a GPU).
+  q, k, v, mask = _case("one_split", 1, 2, 8, 2, 32, 96, 96)
+  jaxpr = jax.make_jaxpr(lambda q: decode_attention(q, k, v, 0, mask, block_s=16, splits=splits, interpret=True))(q)
+  outside = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+  assert "pallas_call" in outside and ("exp" in outside or "reduce_max" in outside) == merges, outside
