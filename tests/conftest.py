@@ -26,3 +26,20 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # ours: removed when the run 
   atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _sm90_for_triton_lowering(monkeypatch):
+  """jax 0.11 asks the machine's GPU for its compute capability when it lowers a Triton-backend pallas_call, so
+  on a CPU machine the tests that lower the kernels for CUDA fail there ("No supported GPU devices found"); name
+  an H100's (sm_90, as the H200) instead. jax 0.10.2 (CI) asks nothing; on a GPU nothing is patched."""
+  try:
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration  # pylint: disable=C0415
+  except ImportError:
+    return
+  if not hasattr(pallas_call_registration, "gpu_info_lib") or jax.default_backend() == "gpu":
+    return
+  info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+  monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)
