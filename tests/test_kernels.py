@@ -271,7 +271,7 @@ def test_gradient_matches_reference_and_never_expands_the_weight(request):
         aval = v.aval
         if hasattr(aval, "shape") and jnp.issubdtype(aval.dtype, jnp.floating):
           shapes.append(tuple(aval.shape))
-      for sub in jax.core.jaxprs_in_params(eqn.params) if hasattr(jax.core, "jaxprs_in_params") else []:
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
         walk(sub)
       for p in eqn.params.values():
         if isinstance(p, jax.extend.core.ClosedJaxpr):

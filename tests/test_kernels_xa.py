@@ -154,5 +154,5 @@ def test_model_projection_routes_bias_and_adapter_by_the_two_flags(monkeypatch, 
 def _all_eqns(jaxpr):
   for eqn in jaxpr.eqns:
     yield eqn
-    for sub in jax.core.jaxprs_in_params(eqn.params):
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       yield from _all_eqns(sub)

@@ -62,7 +62,7 @@ def _while_bodies(jaxpr):
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "while":
       found.append(eqn.params["body_jaxpr"].jaxpr)
-    for sub in jax.core.jaxprs_in_params(eqn.params):
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       found += _while_bodies(sub)
   return found
 
@@ -70,7 +70,7 @@ def _while_bodies(jaxpr):
 def _eqns(jaxpr):
   for eqn in jaxpr.eqns:
     yield eqn
-    for sub in jax.core.jaxprs_in_params(eqn.params):
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       yield from _eqns(sub)
 
 
