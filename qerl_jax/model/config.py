@@ -72,8 +72,8 @@ class ModelConfig:
   # several small ones per projection; kernels/nvfp4_epilogue.py), except where gemv_lora_xa below takes the
   # call (1-2 rows). Off: on an H200 (e7ec3b0, 7B decode step) it saved 0.14 ms at batch 1 but cost 0.33 ms
   # at batch 8 and 1.4 ms at batch 64, when the tile kernels formed the product as outer products (255
-  # registers at 64 rows in kernel_sass, against 96 without the epilogue); they now use one tensor-core dot
-  # (96 registers), untimed.
+  # registers at 64 rows in kernel_sass, against 94-96 without the epilogue); they now use one tensor-core
+  # dot (96-115 registers), untimed.
   fused_lora: bool = False
   # NVFP4 projections at decode rows (the gemv engine, 1-2 rows) compute the adapter's x @ A inside the gemv's
   # launch (kernels/nvfp4_matmul_xa.py) instead of XLA's own small kernels for it (~21 us per 7B layer at batch
