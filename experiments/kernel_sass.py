@@ -330,7 +330,6 @@ def mosaic_config(spec: str, rows: int, k: int, n: int):
 def mosaic_main(args, k: int, n: int):
   """Compiles and runs the Mosaic GPU kernel once with MOSAIC_GPU_DUMP_TO set, then reads its SASS."""
   import glob  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
   from kernels import nvfp4_mgpu  # pylint: disable=import-outside-toplevel
   from qerl_jax.quant.api import quantize_NxK  # pylint: disable=import-outside-toplevel
   cfg = mosaic_config(args.mosaic, args.rows, k, n)
@@ -344,7 +343,7 @@ def mosaic_main(args, k: int, n: int):
   x = jax.random.normal(jax.random.key(1), (args.rows, k), jnp.bfloat16)
   y = jax.jit(lambda x: nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(x, w.packed_NxKh, w.scale_NxKb, w.global_scale,
                                                            config=cfg))(x)
-  np.asarray(y)
+  jax.block_until_ready(y)  # compiled (and dumped) by now
   sass_files = [f for f in glob.glob(os.path.join(dump, "*")) if "sass" in os.path.basename(f).lower()]
   ptx_files = glob.glob(os.path.join(dump, "*.ptx"))
   if sass_files:

@@ -10,6 +10,7 @@ from kernels import nvfp4_gemv
 from kernels.config import Nvfp4MatmulConfig
 from qerl_jax.model.testing import fresh_seed
 from tests.test_kernels import _dequant_np, _random_q
+from tests.test_rollout_layers import _eqns
 
 # (rows, K, N, rank, A dtype, config): one and two rows, a K split that is ragged (5 steps in 3 ranges) and one
 # that is even, N not a multiple of block_n, more x @ A programs than steps of A (K = 64: 4 blocks), rank 64, and
@@ -147,12 +148,6 @@ def test_model_projection_routes_bias_and_adapter_by_the_two_flags(monkeypatch, 
   p = {"w": q, "b": jnp.zeros((64,), jnp.bfloat16), "lora_a": jnp.zeros((256, 16), jnp.bfloat16),
        "lora_b": jnp.zeros((16, 64), jnp.bfloat16)}
   jaxpr = jax.make_jaxpr(lambda x: linear(x, p, 2.0, fused, gemv_xa=gemv_xa))(jnp.zeros((rows, 256), jnp.bfloat16))
-  calls = [(str(e.params["name"]), len(e.invars)) for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+  calls = [(str(e.params["name"]), len(e.invars)) for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
   assert calls == [ROUTES[rows, fused, gemv_xa]]
 
-
-def _all_eqns(jaxpr):
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      yield from _all_eqns(sub)
