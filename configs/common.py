@@ -49,8 +49,7 @@ def recipe() -> ml_collections.ConfigDict:
   c.model.train_norms = True  # also train each block's RMSNorm scales, as the authors do
   c.model.remat = True  # rematerialise each layer in the update's backward pass
   c.model.decode_layers = "unrolled"  # rollout layer loop: "unrolled" (fast) | "scan" (no per-layer copies)
-  c.model.fused_lora = False  # NVFP4: bias + LoRA in the matmul kernels' epilogue (see ModelConfig; untimed since
-  # its tile epilogue became one dot)
+  c.model.fused_lora = True  # NVFP4: bias + LoRA in the matmul kernels' epilogue at decode rows (see ModelConfig)
   c.model.gemv_lora_xa = True  # NVFP4: the adapters' x @ A in the gemv's launch at decode rows (ModelConfig)
   c.model.dequantize_base = False  # keep a dequantized copy of the frozen base (CPU: no fused kernel)
   # A random-weight model of this architecture instead of model.path (smoke runs; HF config field names).

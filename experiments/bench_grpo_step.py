@@ -201,7 +201,8 @@ def main():
                  help="one-token attention in the rollout (see bench_rollout.py)")
   p.add_argument("--decode-layers", default="unrolled", choices=["unrolled", "scan"],
                  help="the rollout's layer loop (see bench_rollout.py)")
-  p.add_argument("--fused-lora", action="store_true", help="bias and LoRA in the NVFP4 kernels' epilogue")
+  p.add_argument("--fused-lora", action=argparse.BooleanOptionalAction, default=True,
+                 help="bias and LoRA in the NVFP4 kernels' epilogue at decode rows (ModelConfig.fused_lora; the default)")
   p.add_argument("--out", default=None,
                  help="JSON lines file (default experiments/results/grpo_step.jsonl; with --smoke, none)")
   p.add_argument("--smoke", action="store_true", help="tiny model and lengths: checks the script runs (CPU)")
@@ -223,7 +224,7 @@ def main():
                    "vocab_chunk", "mesh", "steps", "decode_attention", "decode_layers"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
       cmd += ["--memory-analysis"] if args.memory_analysis else []
-      cmd += ["--fused-lora"] if args.fused_lora else []
+      cmd += ["--fused-lora" if args.fused_lora else "--no-fused-lora"]
       proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
       records = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RECORD ")]
       if proc.returncode or not records:

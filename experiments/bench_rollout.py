@@ -252,8 +252,9 @@ def main():
                       "(kernels/decode_attention.py), or auto (the kernel on a GPU: ModelConfig's default)")
   p.add_argument("--decode-layers", default="unrolled", choices=["unrolled", "scan"],
                  help="the rollout's layer loop (ModelConfig.decode_layers): per-layer buffers or the stacked scan")
-  p.add_argument("--fused-lora", action="store_true",
-                 help="NVFP4: bias and LoRA product in the matmul kernel's epilogue (ModelConfig.fused_lora)")
+  p.add_argument("--fused-lora", action=argparse.BooleanOptionalAction, default=True,
+                 help="NVFP4: bias and LoRA product in the matmul kernel's epilogue at decode rows "
+                      "(ModelConfig.fused_lora; the default)")
   p.add_argument("--gemv-lora-xa", action=argparse.BooleanOptionalAction, default=True,
                  help="NVFP4: x @ A in the gemv's launch at decode rows (ModelConfig.gemv_lora_xa; the default)")
   p.add_argument("--xla-flag-sets", default="", metavar="SETS",
@@ -283,7 +284,7 @@ def main():
            "--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len), "--new-tokens",
            str(args.new_tokens), "--reps", str(args.reps),
            "--decode-attention", args.decode_attention, "--decode-layers", args.decode_layers,
-           *(["--fused-lora"] if args.fused_lora else []), "--gemv-lora-xa" if args.gemv_lora_xa else "--no-gemv-lora-xa"]
+           "--fused-lora" if args.fused_lora else "--no-fused-lora", "--gemv-lora-xa" if args.gemv_lora_xa else "--no-gemv-lora-xa"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:  # records arrive as each batch finishes, so a time-out keeps what ran
       if not line.startswith("RECORD "):

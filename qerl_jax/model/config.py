@@ -69,12 +69,13 @@ class ModelConfig:
   # token on an H200: experiments/RESULTS.md) but no extra memory.
   decode_layers: str = "unrolled"
   # NVFP4 projections add their bias and LoRA product in the matmul kernel's epilogue (one kernel instead of
-  # several small ones per projection; kernels/nvfp4_epilogue.py), except where gemv_lora_xa below takes the
-  # call (1-2 rows). Off: on an H200 (e7ec3b0, 7B decode step) it saved 0.14 ms at batch 1 but cost 0.33 ms
-  # at batch 8 and 1.4 ms at batch 64, when the tile kernels formed the product as outer products (255
-  # registers at 64 rows in kernel_sass, against 94-96 without the epilogue); they now use one tensor-core
-  # dot (96-115 registers), untimed.
-  fused_lora: bool = False
+  # several small ones per projection; kernels/nvfp4_epilogue.py), at calls of at most fused_lora_max_rows rows
+  # (decode), except where gemv_lora_xa below takes the call (1-2 rows). On an H200 at e2d8b42 (7B): decode step
+  # 9.21 -> 8.67 ms at batch 64 and 5.21 -> 5.19 at batch 8 (profile); rollout 7075.8 -> 7441.8 tok/s at batch
+  # 64. Applied at every row count, the GRPO step lost: update 9.81 -> 11.83 s, log-probs 2.94 -> 3.15 s, hence
+  # the row limit (the epilogue's dot costs the large prefill/training tiles more than the launches it saves).
+  fused_lora: bool = True
+  fused_lora_max_rows: int = 64
   # NVFP4 projections at decode rows (the gemv engine, 1-2 rows) compute the adapter's x @ A inside the gemv's
   # launch (kernels/nvfp4_matmul_xa.py) instead of XLA's own small kernels for it (~21 us per 7B layer at batch
   # 1). On an H200 at 06e7c3c: 7B batch-1 step 4.60 -> 4.47 ms (profile), batch 2 6.21 -> 5.65 ms; rollout

@@ -69,7 +69,8 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
   `layer`, or this layer's own (k, v) [B, S, Hkv, Dh]."""
   b, t, _ = x_BxTxD.shape
   eps = config.rms_norm_eps
-  fused, gemv_xa = config.fused_lora, config.gemv_lora_xa
+  fused = config.fused_lora and b * t <= config.fused_lora_max_rows  # static: decode calls only
+  gemv_xa = config.gemv_lora_xa
   h = attn.rms_norm(x_BxTxD, p["input_layernorm"], eps, noise.get("input_layernorm"))
   shared_a = p.get("shared_lora_a", {})  # made once per rollout by `unstack_layers`, else in `linears`
   q, k, v = linears(h, [p["q_proj"], p["k_proj"], p["v_proj"]], lora_scale, fused, gemv_xa, shared_a.get("qkv"))

@@ -105,7 +105,7 @@ def build_model(config, mesh=None):
   model, tokenizer = _build_model(config, mesh)
   # Runtime choices, not architecture: set on the built model's config.
   model.config = model.config.replace(decode_layers=config.model.get("decode_layers", "unrolled"),
-                                      fused_lora=bool(config.model.get("fused_lora", False)),
+                                      fused_lora=bool(config.model.get("fused_lora", True)),
                                       gemv_lora_xa=bool(config.model.get("gemv_lora_xa", True)))
   return model, tokenizer
 
