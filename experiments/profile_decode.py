@@ -173,7 +173,7 @@ def run(args):
       config = model_config(args.model).replace(decode_attention=attention, decode_layers=layers,
                                                 fused_lora=epilogue.startswith("fused"),
                                                 gemv_lora_xa=epilogue.endswith("gemv-xa"))
-      model = Transformer(config, base, lora=LoraConfig(rank=16, alpha=16, dtype=jnp.bfloat16), rngs=nnx.Rngs(0))
+      model = Transformer(config, base, lora=LoraConfig(rank=16, alpha=16, dtype=jnp.dtype(args.lora_dtype)), rngs=nnx.Rngs(0))
       gs = nnx.split(model)
       decode = decode_program(SamplingParams(temperature=1.0))
       steps_arr = jnp.zeros((args.steps,))
@@ -195,7 +195,7 @@ def run(args):
           totals, busy, span, details = kernel_totals(d)
         kernel_ms = sum(totals.values()) / 1e3 / args.steps
         rec = dict(model=args.model, quant=quant, batch=batch, decode_attention=attention, decode_layers=layers,
-                   fused_lora=config.fused_lora, gemv_lora_xa=config.gemv_lora_xa,
+                   fused_lora=config.fused_lora, gemv_lora_xa=config.gemv_lora_xa, lora_dtype=args.lora_dtype,
                    steps=args.steps,
                    cache_len=args.cache_len, start=args.start, ms_per_step=ms_step, kernel_ms_per_step=kernel_ms,
                    span_ms_per_step=span / 1e3 / args.steps,
@@ -230,6 +230,8 @@ def main():
   p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
   p.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["xla", "pallas", "auto"])
   p.add_argument("--decode-layers", nargs="+", default=["unrolled"], choices=["unrolled", "scan"])
+  p.add_argument("--lora-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                 help="the adapters' dtype (bench_rollout's bf16; the trainer keeps float32 adapters)")
   p.add_argument("--lora-epilogue", nargs="+", choices=["xla", "fused", "gemv-xa", "fused+gemv-xa"],
                  default=["gemv-xa"],
                  help="NVFP4: bias and LoRA added by XLA after the matmul, fused into the kernels' epilogue, "
