@@ -151,3 +151,20 @@ def test_model_projection_routes_bias_and_adapter_by_the_two_flags(monkeypatch, 
   calls = [(str(e.params["name"]), len(e.invars)) for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
   assert calls == [ROUTES[rows, fused, gemv_xa]]
 
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_float32_adapters_stay_out_of_the_fused_epilogue(monkeypatch, rows):
+  # The trainer's float32 adapters would make the epilogue's dot a float32 one (1.4 ms slower per 7B batch-64
+  # decode step on an H200): with bf16 activations the kernel gets no xa / B / bias operands, XLA adds them.
+  import sys
+  from qerl_jax.model.linear import linear
+  mm = sys.modules["kernels.nvfp4_matmul"]
+  monkeypatch.setattr(mm, "_gpu_supported", lambda: True)
+  monkeypatch.setattr(mm, "_device_kind", lambda: "NVIDIA H200")
+  q = _random_q(np.random.default_rng(fresh_seed()), 256, 64)
+  p = {"w": q, "b": jnp.zeros((64,), jnp.bfloat16), "lora_a": jnp.zeros((256, 16), jnp.float32),
+       "lora_b": jnp.zeros((16, 64), jnp.float32)}
+  jaxpr = jax.make_jaxpr(lambda x: linear(x, p, 2.0, True, gemv_xa=False))(jnp.zeros((rows, 256), jnp.bfloat16))
+  calls = [(str(e.params["name"]), len(e.invars)) for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+  assert calls == [("nvfp4_gemv" if rows == 1 else "nvfp4_matmul_fwd", 5)]
+

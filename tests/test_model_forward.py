@@ -25,15 +25,15 @@ def tiny_config(**kw):
   return ModelConfig(**base)
 
 
-def random_model(config, seed, *, lora=True, train_norms=False, quant="bf16"):
+def random_model(config, seed, *, lora=True, train_norms=False, quant="bf16", lora_dtype=jnp.float32):
   base = random_base(config, jax.random.key(seed), quant)
-  lora_cfg = LoraConfig(rank=4, alpha=8) if lora else None
+  lora_cfg = LoraConfig(rank=4, alpha=8, dtype=lora_dtype) if lora else None
   model = Transformer(config, base, lora=lora_cfg, train_norms=train_norms, rngs=nnx.Rngs(seed + 1))
   if lora:  # nonzero B so the adapters take part
     rng = np.random.default_rng(seed + 1)
     for name in lora_cfg.targets:
       proj = getattr(model.layers, name)
-      proj.lora_b.set_value(jnp.asarray(0.1 * rng.standard_normal(proj.lora_b.get_value().shape, np.float32)))
+      proj.lora_b.set_value(jnp.asarray(0.1 * rng.standard_normal(proj.lora_b.get_value().shape), lora_dtype))
   return model
 
 
@@ -266,11 +266,11 @@ def test_prefill_at_a_static_cache_index_attends_only_to_visible_slots(model_and
     np.testing.assert_array_equal(np.asarray(static_cache[key][:, :, prompt_len:]), 0.0)
 
 
-def _nvfp4_bf16_case():
+def _nvfp4_bf16_case(lora_dtype=jnp.float32):
   """(seed, config, model, tokens, params): an NVFP4 model with bf16 activations and nonzero adapters."""
   seed = fresh_seed()
   config = tiny_config(dtype="bfloat16")
-  model = random_model(config, seed, quant="nvfp4")
+  model = random_model(config, seed, quant="nvfp4", lora_dtype=lora_dtype)
   tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 128, (2, 6)))
   return seed, config, model, tokens, model.params()
 
@@ -296,14 +296,41 @@ def test_nvfp4_layers_reach_the_kernels_whole_and_give_the_xla_logits(monkeypatc
   assert "u8[192,32]" in jaxpr and "u8[128,48]" in jaxpr
 
 
-@pytest.mark.slow  # ~11 s for an opt-in path (fused_lora); CI is near its 10-minute limit
+def test_fused_lora_applies_at_decode_rows_only(monkeypatch):
+  # ModelConfig.fused_lora: the epilogue takes bias and adapter at calls of at most fused_lora_max_rows rows
+  # (a decode step), not in a prefill or training forward, where it made the 7B GRPO update 2 s slower on an
+  # H200. Traced with the H200 dispatch forced on this CPU (nothing runs): bf16 adapters, so only rows decide.
+  import importlib
+  from tests.test_rollout_layers import _eqns  # (that module imports this one)
+  mm = importlib.import_module("kernels.nvfp4_matmul")  # the module (the package exports its function by name)
+  monkeypatch.setattr(mm, "_gpu_supported", lambda: True)
+  monkeypatch.setattr(mm, "_device_kind", lambda: "NVIDIA H200")
+  _, config, model, _, params = _nvfp4_bf16_case(lora_dtype=jnp.bfloat16)
+  assert config.fused_lora and config.fused_lora_max_rows == 64
+
+  def epilogue_calls(cfg, batch, t):
+    tokens = jnp.zeros((batch, t), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda p: forward(p, cfg, model.lora_scale, tokens))(params)
+    calls = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+    assert calls, "no NVFP4 kernel traced"
+    return sum(len(e.invars) > 5 for e in calls)  # x, layer, 3 weight arrays; then xa, B (and bias: q/k/v)
+
+  # 7 projections in the layer scan's body; 64 rows, as 2 x 32 or 4 x 16, fuse; 65 and 2 x 33 do not.
+  assert epilogue_calls(config, 2, 32) == 7 and epilogue_calls(config, 4, 16) == 7
+  assert epilogue_calls(config, 1, 65) == 0 and epilogue_calls(config, 2, 33) == 0
+  assert epilogue_calls(config.replace(fused_lora_max_rows=66), 2, 33) == 7
+  assert epilogue_calls(config.replace(fused_lora=False), 2, 32) == 0
+
+
+@pytest.mark.slow  # ~11 s; CI is near its 10-minute limit
 def test_fused_lora_epilogue_gives_the_same_logits_and_adapter_gradients(monkeypatch):
   # config.fused_lora: NVFP4 projections add the bias and (x @ A) @ B inside the matmul (kernels' epilogue);
   # logits equal the unfused model's on the XLA path and through the kernels (interpret mode), and so do the
   # adapters' gradients on the XLA path (the kernels' VJP: tests/test_kernels_epilogue.py). Biases (q/k/v)
-  # and nonzero adapters on all seven projections take part.
+  # and nonzero bf16 adapters (float32 ones stay out of the epilogue) on all seven projections take part.
   import kernels
-  seed, config, model, tokens, params = _nvfp4_bf16_case()
+  seed, config, model, tokens, params = _nvfp4_bf16_case(lora_dtype=jnp.bfloat16)
+  config = config.replace(fused_lora=False)
 
   names = ("q_proj", "gate_proj", "down_proj")
 
