@@ -88,7 +88,8 @@ def run_one(args) -> dict:
   from qerl_jax.train.step import UpdateSettings, jit_logprobs, jit_update
 
   config = model_config(args.model).replace(remat=True, decode_attention=args.decode_attention,
-                                            decode_layers=args.decode_layers, fused_lora=args.fused_lora)
+                                            decode_layers=args.decode_layers, fused_lora=args.fused_lora,
+                                            rollout_lora_dtype=args.rollout_lora_dtype)
   rows = args.prompts * args.samples
   mesh_spec = dict(zip(sharding.MESH_AXES, map(int, args.mesh.split(","))))
   mesh = None if all(v == 1 for v in mesh_spec.values()) else sharding.make_mesh(mesh_spec)
@@ -177,7 +178,8 @@ def run_one(args) -> dict:
     samples=args.samples, prompt_len=args.prompt_len, new_tokens=args.new_tokens, micro_batch=args.micro_batch,
     lora_rank=args.lora_rank, tokens_per_s=rows * args.new_tokens / timings["rollout_s"], xla_memory=xla_memory,
     device=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit(),
-    decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora)
+    decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora,
+    rollout_lora_dtype=args.rollout_lora_dtype)
 
 
 def main():
@@ -202,7 +204,10 @@ def main():
   p.add_argument("--decode-layers", default="unrolled", choices=["unrolled", "scan"],
                  help="the rollout's layer loop (see bench_rollout.py)")
   p.add_argument("--fused-lora", action=argparse.BooleanOptionalAction, default=True,
-                 help="bias and LoRA in the NVFP4 kernels' epilogue at decode rows (ModelConfig.fused_lora; the default)")
+                 help="bias and LoRA in the NVFP4 kernels' epilogue at decode rows (ModelConfig.fused_lora; "
+                      "the default)")
+  p.add_argument("--rollout-lora-dtype", default="", choices=["", "bfloat16"],
+                 help="the adapters' dtype in the rollout (ModelConfig.rollout_lora_dtype; '' = float32, theirs)")
   p.add_argument("--out", default=None,
                  help="JSON lines file (default experiments/results/grpo_step.jsonl; with --smoke, none)")
   p.add_argument("--smoke", action="store_true", help="tiny model and lengths: checks the script runs (CPU)")
@@ -225,6 +230,7 @@ def main():
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
       cmd += ["--memory-analysis"] if args.memory_analysis else []
       cmd += ["--fused-lora" if args.fused_lora else "--no-fused-lora"]
+      cmd += ["--rollout-lora-dtype", args.rollout_lora_dtype] if args.rollout_lora_dtype else []
       proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
       records = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RECORD ")]
       if proc.returncode or not records:

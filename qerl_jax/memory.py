@@ -168,8 +168,18 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
   shared = [[name for name in group if name in lora_targets] for group in SHARED_INPUT.values()]
   shared_a = {name: {"lora_a": lora_tree["layers"][name]["lora_a"]} for names in shared if len(names) > 1
               for name in names}
-  layer_copies = (_tree_bytes({"layers": copied}, "frozen", sizes) + lora
-                  + _tree_bytes({"layers": shared_a}, "params", sizes)) if cfg.decode_layers == "unrolled" else 0
+  # ModelConfig.rollout_lora_dtype: the rollout casts the adapters once (a stacked copy in that dtype), and the
+  # unrolled layers copy the cast ones.
+  cast_copy, layer_lora = 0, lora
+  if cfg.rollout_lora_dtype and np.dtype(cfg.rollout_lora_dtype) != np.dtype(lora_dtype):
+    recast = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, cfg.rollout_lora_dtype), t)  # noqa: E731
+    adapters = {"layers": {n: p for n, p in lora_tree["layers"].items() if n in lora_targets}}
+    cast_copy = _tree_bytes(recast(adapters), "params", sizes)
+    layer_lora = lora - _tree_bytes(adapters, "params", sizes) + cast_copy
+    shared_a = recast(shared_a)
+  layer_copies = cast_copy + (_tree_bytes({"layers": copied}, "frozen", sizes) + layer_lora
+                              + _tree_bytes({"layers": shared_a}, "params", sizes)
+                              if cfg.decode_layers == "unrolled" else 0)
   lora_f32 = lora * 4 // lora_it if lora_it != 4 else lora
   optimizer = 2 * lora
   grads = 2 * lora_f32 + lora  # f32 accumulator, one micro-batch's grads (f32 inside), the update tree

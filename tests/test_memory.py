@@ -61,6 +61,16 @@ def test_exact_parts_match_hand_counts():
   assert b.layer_copies == small + dense + lora + side_by_side
   assert b.rollout_peak - b.layer_copies == memory.plan(cfg.replace(decode_layers="scan"), "bf16", batch, prompt,
                                                          new, None, r, 4, True).rollout_peak
+  # rollout_lora_dtype="bfloat16": one stacked bf16 copy of the float32 adapters (not the norms), and the
+  # unrolled layers copy the bf16 adapters and A's; "scan" holds only the stacked copy.
+  adapters = sum(L * (k * r + r * n) * 4 for k, n in projections.values())
+  c = memory.plan(cfg.replace(rollout_lora_dtype="bfloat16"), "nvfp4", batch, prompt, new, None, r, 4, True)
+  assert c.layer_copies == adapters // 2 + small + (lora - adapters // 2) + side_by_side // 2
+  s = memory.plan(cfg.replace(rollout_lora_dtype="bfloat16", decode_layers="scan"), "nvfp4", batch, prompt, new,
+                  None, r, 4, True)
+  assert s.layer_copies == adapters // 2
+  assert memory.plan(cfg.replace(rollout_lora_dtype="float32"), "nvfp4", batch, prompt, new, None, r, 4,
+                     True).layer_copies == p.layer_copies  # the adapters' own dtype: no copy
 
 
 def test_refuses_with_the_knob_to_turn():

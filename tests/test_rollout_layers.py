@@ -126,3 +126,46 @@ def test_decode_step_concatenates_no_adapter(layers):
 def test_decode_layers_must_be_known():
   with pytest.raises(ValueError, match="decode_layers='loop' must be"):
     tiny_config(decode_layers="loop")
+
+
+@pytest.mark.parametrize("layers", ["unrolled", "scan"])
+def test_rollout_lora_dtype_samples_from_the_cast_adapters_cast_once(layers):
+  # ModelConfig.rollout_lora_dtype = "bfloat16": a model with float32 adapters rolls out exactly as one whose
+  # adapters were rounded to bf16 beforehand (same tokens, same log-probs); the cast happens before the decode
+  # loop, not in it. bf16 activations, as in the trainer's rollouts.
+  seed = fresh_seed()
+  config = tiny_config(dtype="bfloat16", decode_layers=layers)
+  model = random_model(config, seed)  # float32 adapters, nonzero B
+  rounded = random_model(config, seed, lora_dtype=jnp.bfloat16)
+  for name in ("q_proj", "v_proj", "gate_proj", "down_proj"):  # same values, rounded to bf16
+    for ab in ("lora_a", "lora_b"):
+      getattr(rounded.layers, name).__getattribute__(ab).set_value(
+          getattr(model.layers, name).__getattribute__(ab).get_value().astype(jnp.bfloat16))
+  rng = np.random.default_rng(seed)
+  prompt = jnp.asarray(rng.integers(1, config.vocab_size, (3, 5)), jnp.int32)
+  valid = jnp.asarray(np.arange(5)[None, :] >= np.array([0, 1, 3])[:, None])
+  key = jax.random.key(seed)
+  model.config = config.replace(rollout_lora_dtype="bfloat16")
+  cast = _rollout(model, prompt, valid, key, None)
+  ref = _rollout(rounded, prompt, valid, key, None)
+  np.testing.assert_array_equal(cast.tokens_BxN, ref.tokens_BxN)
+  np.testing.assert_array_equal(cast.logprobs_BxN, ref.logprobs_BxN)
+  model.config = config
+  own = _rollout(model, prompt, valid, key, None)  # float32 adapters: other rounding, other log-probs
+  assert not np.array_equal(np.asarray(own.logprobs_BxN), np.asarray(cast.logprobs_BxN))
+
+  model.config = config.replace(rollout_lora_dtype="bfloat16")
+  graphdef, state = nnx.split(model)
+  jaxpr = jax.make_jaxpr(lambda s: engine.rollout(
+      graphdef, s, prompt, valid, key, sampling=SamplingParams(temperature=1.0), max_new_tokens=4,
+      stop_ids=()))(state)
+  (body,) = _while_bodies(jaxpr.jaxpr)
+  a_shape = (config.hidden_size, 4)  # an A [K, r] (per layer, or stacked [L, K, r])
+  f32_reads = [e for e in _eqns(body) if e.primitive.name == "convert_element_type"
+               and e.invars[0].aval.dtype == jnp.float32 and e.invars[0].aval.shape[-2:] == a_shape]
+  assert not f32_reads, [str(e)[:200] for e in f32_reads]
+
+
+def test_rollout_lora_dtype_must_be_a_float_dtype():
+  with pytest.raises(ValueError, match="rollout_lora_dtype='int8' must be"):
+    tiny_config(rollout_lora_dtype="int8")

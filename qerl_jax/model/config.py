@@ -82,6 +82,11 @@ class ModelConfig:
   # 226.5 -> 234.8 tok/s. Elsewhere (more rows, CPU, a mesh) it changes nothing. It takes precedence over
   # fused_lora where both apply (fused_lora's gemv epilogue lost to it at one row, e0f3129).
   gemv_lora_xa: bool = True
+  # The adapters' dtype inside a rollout: "" keeps theirs; "bfloat16" casts them once per rollout (as vLLM
+  # holds LoRA weights in the model's dtype), so float32 adapters (the trainer's) reach the fused epilogue
+  # above and the bf16 x @ A. The rollout then samples from the bf16-rounded adapters; the update still
+  # differentiates the float32 ones (its old log-probs come from its own forward, not from the rollout).
+  rollout_lora_dtype: str = ""
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None
@@ -106,6 +111,9 @@ class ModelConfig:
       raise ValueError(f"decode_attention={self.decode_attention!r} must be 'xla', 'pallas' or 'auto'")
     if self.decode_layers not in ("unrolled", "scan"):
       raise ValueError(f"decode_layers={self.decode_layers!r} must be 'unrolled' or 'scan'")
+    if self.rollout_lora_dtype not in ("", "bfloat16", "float16", "float32"):
+      raise ValueError(f"rollout_lora_dtype={self.rollout_lora_dtype!r} must be '' (the adapters' own), "
+                       "'bfloat16', 'float16' or 'float32'")
     rope_type = self.rope_scaling_dict.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
       raise ValueError(f"unsupported {rope_type=}; supported: {SUPPORTED_ROPE_TYPES}")

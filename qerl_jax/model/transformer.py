@@ -239,6 +239,15 @@ def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
   return {**params, "layers": per_layer}
 
 
+def with_adapter_dtype(params: dict[str, Any], dtype) -> dict[str, Any]:
+  """`params` with every layer's LoRA A and B cast to `dtype` (the rest untouched)."""
+  def cast(p):
+    if not isinstance(p, dict) or p.get("lora_a") is None:
+      return p
+    return {**p, "lora_a": p["lora_a"].astype(dtype), "lora_b": p["lora_b"].astype(dtype)}
+  return {**params, "layers": {name: cast(p) for name, p in params["layers"].items()}}
+
+
 def _with_shared_a(p: dict[str, Any]) -> dict[str, Any]:
   """One layer's parameters with "shared_lora_a": {group: [A1 | A2 | ...]} for each `SHARED_INPUT` group."""
   shared = {group: shared_lora_a([p[name] for name in names]) for group, names in SHARED_INPUT.items()

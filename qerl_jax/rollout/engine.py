@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from qerl_jax.model import init_cache
-from qerl_jax.model.transformer import forward, unstack_layers
+from qerl_jax.model.transformer import forward, unstack_layers, with_adapter_dtype
 from qerl_jax.rollout.sampling import SamplingParams, sample
 
 # Incremented each time the decode program is traced: the tests assert one trace per bucket.
@@ -61,6 +61,8 @@ def rollout(graphdef, state, prompt_BxP, valid_BxP, key, norm_noise=None, *, sam
   batch, prompt_len = prompt_BxP.shape
   cache_len = prompt_len + max_new_tokens
   params = model.params()
+  if config.rollout_lora_dtype:  # once per rollout, before the loop (ModelConfig.rollout_lora_dtype)
+    params = with_adapter_dtype(params, config.rollout_lora_dtype)
   per_layer = config.decode_layers == "unrolled"
   if per_layer:  # one copy per rollout instead of a slice (copy) of each stacked array per token
     params = unstack_layers(params)

@@ -106,7 +106,8 @@ def build_model(config, mesh=None):
   # Runtime choices, not architecture: set on the built model's config.
   model.config = model.config.replace(decode_layers=config.model.get("decode_layers", "unrolled"),
                                       fused_lora=bool(config.model.get("fused_lora", True)),
-                                      gemv_lora_xa=bool(config.model.get("gemv_lora_xa", True)))
+                                      gemv_lora_xa=bool(config.model.get("gemv_lora_xa", True)),
+                                      rollout_lora_dtype=str(config.model.get("rollout_lora_dtype", "")))
   return model, tokenizer
 
 
