@@ -166,6 +166,9 @@ def test_rollout_lora_dtype_samples_from_the_cast_adapters_cast_once(layers):
   assert not f32_reads, [str(e)[:200] for e in f32_reads]
 
 
-def test_rollout_lora_dtype_must_be_a_float_dtype():
+def test_rollout_lora_dtype_and_fused_rows_must_be_valid():
   with pytest.raises(ValueError, match="rollout_lora_dtype='int8' must be"):
     tiny_config(rollout_lora_dtype="int8")
+  for rows in (-1, 8.5, "64"):
+    with pytest.raises(ValueError, match="fused_lora_max_rows=.* must be an int >= 0"):
+      tiny_config(fused_lora_max_rows=rows)

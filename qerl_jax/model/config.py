@@ -111,6 +111,8 @@ class ModelConfig:
       raise ValueError(f"decode_attention={self.decode_attention!r} must be 'xla', 'pallas' or 'auto'")
     if self.decode_layers not in ("unrolled", "scan"):
       raise ValueError(f"decode_layers={self.decode_layers!r} must be 'unrolled' or 'scan'")
+    if not isinstance(self.fused_lora_max_rows, int) or self.fused_lora_max_rows < 0:
+      raise ValueError(f"fused_lora_max_rows={self.fused_lora_max_rows!r} must be an int >= 0 (rows per call)")
     if self.rollout_lora_dtype not in ("", "bfloat16", "float16", "float32"):
       raise ValueError(f"rollout_lora_dtype={self.rollout_lora_dtype!r} must be '' (the adapters' own), "
                        "'bfloat16', 'float16' or 'float32'")
