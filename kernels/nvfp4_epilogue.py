@@ -4,8 +4,9 @@ An unmerged LoRA adapter and a bias on a projection otherwise cost a decode step
 projection (the xa @ B product, the scaling, the additions): at 0708d08 a 7B decode step ran about 25 small
 kernels per layer beside the 7 matmuls, 2.2 ms of a 6.0 ms step at batch 1, each a few microseconds at
 decode sizes. Here they ride on the matmul: xa = x @ A [M, r] comes in (a K-long contraction per rank, which
-XLA does once per input) with B [r, N] and the bias [N], and the output tile gets r float32 outer-product
-multiply-adds before its store. With split-K only split 0 adds them (the splits are summed afterwards).
+XLA does once per input) with B [r, N] and the bias [N], and the output tile adds xa @ B (one tensor-core dot in
+the tile kernels, r outer products in the gemv) before its store. With split-K only split 0 adds them (the
+splits are summed afterwards).
 """
 
 from __future__ import annotations
