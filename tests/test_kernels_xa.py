@@ -123,19 +123,23 @@ def test_xa_plan_covers_k_with_programs_of_about_32_kb():
   assert [nvfp4_gemv.xa_plan(3584, r, 4, 1).block_b for r in (16, 32, 64, 128, 256)] == [8, 8, 4, 2, 1]
 
 
-# (rows, fused_lora, gemv_lora_xa) -> (the one kernel launched, its operand count): 5 for x, layer and the weight's
-# three arrays, 6 with A (x @ A in the gemv's launch), 8 with xa, B and the bias (the fused epilogue).
+# (rows, fused_lora, gemv_lora_xa, adapter dtype) -> (the one kernel launched, its operand count): 5 for x, layer
+# and the weight's three arrays, 6 with A (x @ A in the gemv's launch), 8 with xa, B and the bias (the fused
+# epilogue). Float32 adapters (the trainer's) stay out of the epilogue: they would make its dot a float32 one,
+# 1.4 ms slower per 7B batch-64 decode step on an H200, so XLA adds them.
 ROUTES = {
-  (1, True, True): ("nvfp4_gemv_xa", 6), (2, True, True): ("nvfp4_gemv_xa", 6),  # gemv_xa first where it applies
-  (8, True, True): ("nvfp4_matmul_fwd", 8),  # past the gemv's rows: the tile kernel's fused epilogue
-  (1, True, False): ("nvfp4_gemv", 8), (8, True, False): ("nvfp4_matmul_fwd", 8),
-  (1, False, True): ("nvfp4_gemv_xa", 6), (8, False, True): ("nvfp4_matmul_fwd", 5),
-  (1, False, False): ("nvfp4_gemv", 5), (8, False, False): ("nvfp4_matmul_fwd", 5),
+  (1, True, True, "bf16"): ("nvfp4_gemv_xa", 6), (2, True, True, "bf16"): ("nvfp4_gemv_xa", 6),  # gemv_xa first
+  (8, True, True, "bf16"): ("nvfp4_matmul_fwd", 8),  # past the gemv's rows: the tile kernel's fused epilogue
+  (1, True, False, "bf16"): ("nvfp4_gemv", 8), (8, True, False, "bf16"): ("nvfp4_matmul_fwd", 8),
+  (1, False, True, "bf16"): ("nvfp4_gemv_xa", 6), (8, False, True, "bf16"): ("nvfp4_matmul_fwd", 5),
+  (1, False, False, "bf16"): ("nvfp4_gemv", 5), (8, False, False, "bf16"): ("nvfp4_matmul_fwd", 5),
+  (1, True, False, "f32"): ("nvfp4_gemv", 5), (8, True, False, "f32"): ("nvfp4_matmul_fwd", 5),
+  (8, True, True, "f32"): ("nvfp4_matmul_fwd", 5),
 }
 
 
-@pytest.mark.parametrize("rows,fused,gemv_xa", sorted(ROUTES))
-def test_model_projection_routes_bias_and_adapter_by_the_two_flags(monkeypatch, rows, fused, gemv_xa):
+@pytest.mark.parametrize("rows,fused,gemv_xa,lora_dtype", sorted(ROUTES))
+def test_model_projection_routes_bias_and_adapter_by_the_two_flags(monkeypatch, rows, fused, gemv_xa, lora_dtype):
   # ModelConfig.gemv_lora_xa takes precedence over fused_lora where the gemv computes x @ A (1-2 rows on an
   # H200); from 3 rows the tile kernel's fused epilogue adds bias and adapter. Traced with the H200 dispatch
   # forced on this CPU (nothing runs).
@@ -145,26 +149,10 @@ def test_model_projection_routes_bias_and_adapter_by_the_two_flags(monkeypatch, 
   monkeypatch.setattr(mm, "_gpu_supported", lambda: True)
   monkeypatch.setattr(mm, "_device_kind", lambda: "NVIDIA H200")
   q = _random_q(np.random.default_rng(fresh_seed()), 256, 64)
-  p = {"w": q, "b": jnp.zeros((64,), jnp.bfloat16), "lora_a": jnp.zeros((256, 16), jnp.bfloat16),
-       "lora_b": jnp.zeros((16, 64), jnp.bfloat16)}
+  dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32}[lora_dtype]
+  p = {"w": q, "b": jnp.zeros((64,), jnp.bfloat16), "lora_a": jnp.zeros((256, 16), dtype),
+       "lora_b": jnp.zeros((16, 64), dtype)}
   jaxpr = jax.make_jaxpr(lambda x: linear(x, p, 2.0, fused, gemv_xa=gemv_xa))(jnp.zeros((rows, 256), jnp.bfloat16))
   calls = [(str(e.params["name"]), len(e.invars)) for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
-  assert calls == [ROUTES[rows, fused, gemv_xa]]
-
-
-@pytest.mark.parametrize("rows", [1, 8])
-def test_float32_adapters_stay_out_of_the_fused_epilogue(monkeypatch, rows):
-  # The trainer's float32 adapters would make the epilogue's dot a float32 one (1.4 ms slower per 7B batch-64
-  # decode step on an H200): with bf16 activations the kernel gets no xa / B / bias operands, XLA adds them.
-  import sys
-  from qerl_jax.model.linear import linear
-  mm = sys.modules["kernels.nvfp4_matmul"]
-  monkeypatch.setattr(mm, "_gpu_supported", lambda: True)
-  monkeypatch.setattr(mm, "_device_kind", lambda: "NVIDIA H200")
-  q = _random_q(np.random.default_rng(fresh_seed()), 256, 64)
-  p = {"w": q, "b": jnp.zeros((64,), jnp.bfloat16), "lora_a": jnp.zeros((256, 16), jnp.float32),
-       "lora_b": jnp.zeros((16, 64), jnp.float32)}
-  jaxpr = jax.make_jaxpr(lambda x: linear(x, p, 2.0, True, gemv_xa=False))(jnp.zeros((rows, 256), jnp.bfloat16))
-  calls = [(str(e.params["name"]), len(e.invars)) for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
-  assert calls == [("nvfp4_gemv" if rows == 1 else "nvfp4_matmul_fwd", 5)]
+  assert calls == [ROUTES[rows, fused, gemv_xa, lora_dtype]]
 
