@@ -74,6 +74,8 @@ class ModelConfig:
   # 9.21 -> 8.67 ms at batch 64 and 5.21 -> 5.19 at batch 8 (profile); rollout 7075.8 -> 7441.8 tok/s at batch
   # 64. Applied at every row count, the GRPO step lost: update 9.81 -> 11.83 s, log-probs 2.94 -> 3.15 s, hence
   # the row limit (the epilogue's dot costs the large prefill/training tiles more than the launches it saves).
+  # Adapters not in x's dtype (the trainer's float32 ones) stay with XLA: with them the batch-64 step went 9.00
+  # -> 10.40 ms (28aefa1); see rollout_lora_dtype.
   fused_lora: bool = True
   fused_lora_max_rows: int = 64
   # NVFP4 projections at decode rows (the gemv engine, 1-2 rows) compute the adapter's x @ A inside the gemv's
