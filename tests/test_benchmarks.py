@@ -98,9 +98,9 @@ def test_bench_layer_slicing_counts_the_slices_of_each_form(tmp_path):
   assert len(_lines(out)) == 5
 
 
-def _run(script, tmp_path, name):
+def _run(script, tmp_path, name, *flags):
   out = tmp_path / f"{name}.jsonl"
-  subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), "--smoke", "--out", str(out)],
+  subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), "--smoke", "--out", str(out), *flags],
                  check=True, cwd=ROOT, env=dict(os.environ, QERL_COMMIT="test"), capture_output=True, text=True)
   return _lines(out)
 
@@ -139,13 +139,15 @@ def test_benches_refuse_the_subprocess_flags(script, flag, tmp_path):
 
 @pytest.mark.slow
 def test_bench_grpo_step_smoke_writes_the_phase_split(tmp_path):
-  records = _run("bench_grpo_step.py", tmp_path, "grpo")
+  # With the rollout's adapters cast to bf16 (ModelConfig.rollout_lora_dtype), which the record names.
+  records = _run("bench_grpo_step.py", tmp_path, "grpo", "--rollout-lora-dtype", "bfloat16")
   assert sorted(r["quant"] for r in records) == ["bf16", "nvfp4"]
   for r in records:
     for field in ("model", "quant", "devices", "step_s", "rollout_s", "logprob_s", "update_s", "peak_gb",
                   "commit", "device", "loss", "plan_gb"):
       assert field in r, field
     assert r["step_s"] >= r["rollout_s"] > 0 and r["commit"] == "test"
+    assert r["rollout_lora_dtype"] == "bfloat16" and r["fused_lora"] is True
 
 
 def test_profile_decode_sums_stream_kernels_only(tmp_path):
