@@ -284,7 +284,8 @@ def main():
            "--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len), "--new-tokens",
            str(args.new_tokens), "--reps", str(args.reps),
            "--decode-attention", args.decode_attention, "--decode-layers", args.decode_layers,
-           "--fused-lora" if args.fused_lora else "--no-fused-lora", "--gemv-lora-xa" if args.gemv_lora_xa else "--no-gemv-lora-xa"]
+           "--fused-lora" if args.fused_lora else "--no-fused-lora",
+           "--gemv-lora-xa" if args.gemv_lora_xa else "--no-gemv-lora-xa"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:  # records arrive as each batch finishes, so a time-out keeps what ran
       if not line.startswith("RECORD "):

@@ -173,7 +173,8 @@ def run(args):
       config = model_config(args.model).replace(decode_attention=attention, decode_layers=layers,
                                                 fused_lora=epilogue.startswith("fused"),
                                                 gemv_lora_xa=epilogue.endswith("gemv-xa"))
-      model = Transformer(config, base, lora=LoraConfig(rank=16, alpha=16, dtype=jnp.dtype(args.lora_dtype)), rngs=nnx.Rngs(0))
+      lora = LoraConfig(rank=16, alpha=16, dtype=jnp.dtype(args.lora_dtype))
+      model = Transformer(config, base, lora=lora, rngs=nnx.Rngs(0))
       gs = nnx.split(model)
       decode = decode_program(SamplingParams(temperature=1.0))
       steps_arr = jnp.zeros((args.steps,))

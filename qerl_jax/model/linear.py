@@ -185,7 +185,8 @@ def linear(x_BxTxK: jax.Array, p: dict[str, Any], lora_scale: float, fused: bool
 
   fused: with an NVFP4 weight, add the bias and the adapter's (x @ A) @ B inside the matmul kernel's
   epilogue (`kernels.nvfp4_matmul(..., bias=, lora=)`), in float32 with one rounding, instead of as separate
-  XLA operations; x @ A stays in XLA. Other weights, and adapters not in x's dtype, ignore it. xa_BxTxR: x @ A already computed (`linears`).
+  XLA operations; x @ A stays in XLA. Other weights, and adapters not in x's dtype, ignore it.
+  xa_BxTxR: x @ A already computed (`linears`).
   gemv_xa: at decode rows on an NVFP4 weight, x @ A is computed in the gemv's launch where a kernel takes it
   (`_xa_in_gemv`); there it takes precedence over ``fused``.
   """
