@@ -98,19 +98,25 @@ def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *re
   y_MxN = acc_NxM.T * nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
   rows, cols = pl.ds(pid_m * block_m, block_m), pl.ds(pid_n * block_n, block_n)
   mask = row_mask[:, None] & col_mask[None, :]
-  extra = lambda: nvfp4_epilogue.term(epi_refs, epilogue, rows, row_mask, cols, col_mask, dot=True)  # noqa: E731
   if split == 1:
-    y_MxN = y_MxN + extra() if epilogue.num_refs else y_MxN
+    if epilogue.num_refs:
+      y_MxN = y_MxN + nvfp4_epilogue.term(epi_refs, epilogue, rows, row_mask, cols, col_mask, dot=True)
     plgpu.store(o_ref.at[rows, cols], y_MxN.astype(o_ref.dtype), mask=mask)
     return
-  store_partial = lambda y: plgpu.store(o_ref.at[pid_s, rows, cols], y, mask=mask)  # noqa: E731
   if not epilogue.num_refs:
-    store_partial(y_MxN)
+    plgpu.store(o_ref.at[pid_s, rows, cols], y_MxN, mask=mask)
     return
-  # Split-K: only split 0 adds the epilogue's terms (the splits are summed afterwards); the other programs
-  # skip its loads and dot instead of computing it to throw away.
-  pl.when(pid_s == 0)(lambda: store_partial(y_MxN + extra()))
-  pl.when(pid_s != 0)(lambda: store_partial(y_MxN))
+
+  # Split-K: only split 0 adds the epilogue's terms (the splits are summed afterwards). The others skip its
+  # loads and dot: computed and masked away, they made down_proj's K loop wait on every wgmma (kernel_sass).
+  @pl.when(pid_s == 0)
+  def _():
+    extra = nvfp4_epilogue.term(epi_refs, epilogue, rows, row_mask, cols, col_mask, dot=True)
+    plgpu.store(o_ref.at[pid_s, rows, cols], y_MxN + extra, mask=mask)
+
+  @pl.when(pid_s != 0)
+  def _():
+    plgpu.store(o_ref.at[pid_s, rows, cols], y_MxN, mask=mask)
 
 
 def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array,

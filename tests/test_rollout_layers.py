@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from qerl_jax.model.linear import PROJ_NAMES
 from qerl_jax.model.testing import fresh_seed
 from qerl_jax.rollout import engine
 from qerl_jax.rollout.sampling import SamplingParams
@@ -137,10 +138,10 @@ def test_rollout_lora_dtype_samples_from_the_cast_adapters_cast_once(layers):
   config = tiny_config(dtype="bfloat16", decode_layers=layers)
   model = random_model(config, seed)  # float32 adapters, nonzero B
   rounded = random_model(config, seed, lora_dtype=jnp.bfloat16)
-  for name in ("q_proj", "v_proj", "gate_proj", "down_proj"):  # same values, rounded to bf16
+  for name in PROJ_NAMES:  # the same adapters, rounded to bf16, on all seven projections
     for ab in ("lora_a", "lora_b"):
-      getattr(rounded.layers, name).__getattribute__(ab).set_value(
-          getattr(model.layers, name).__getattribute__(ab).get_value().astype(jnp.bfloat16))
+      value = getattr(getattr(model.layers, name), ab).get_value()
+      getattr(getattr(rounded.layers, name), ab).set_value(value.astype(jnp.bfloat16))
   rng = np.random.default_rng(seed)
   prompt = jnp.asarray(rng.integers(1, config.vocab_size, (3, 5)), jnp.int32)
   valid = jnp.asarray(np.arange(5)[None, :] >= np.array([0, 1, 3])[:, None])
