@@ -72,8 +72,9 @@ class ModelConfig:
   # several small ones per projection; kernels/nvfp4_epilogue.py), at calls of at most fused_lora_max_rows rows
   # (decode), except where gemv_lora_xa below takes the call (1-2 rows). On an H200 at e2d8b42 (7B): decode step
   # 9.21 -> 8.67 ms at batch 64 and 5.21 -> 5.19 at batch 8 (profile); rollout 7075.8 -> 7441.8 tok/s at batch
-  # 64. Applied at every row count, the GRPO step lost: update 9.81 -> 11.83 s, log-probs 2.94 -> 3.15 s, hence
-  # the row limit (the epilogue's dot costs the large prefill/training tiles more than the launches it saves).
+  # 64. Applied at every row count (with the trainer's float32 adapters), the GRPO step lost: update 9.81 ->
+  # 11.83 s, log-probs 2.94 -> 3.15 s; the row limit alone brought both back (28aefa1). Past 64 rows with bf16
+  # adapters it is untimed, so the limit keeps it to the rows where it was measured to win.
   # Adapters not in x's dtype (the trainer's float32 ones) stay with XLA: with them the batch-64 step went 9.00
   # -> 10.40 ms (28aefa1); see rollout_lora_dtype.
   fused_lora: bool = True
