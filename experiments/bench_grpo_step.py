@@ -89,7 +89,8 @@ def run_one(args) -> dict:
 
   config = model_config(args.model).replace(remat=True, decode_attention=args.decode_attention,
                                             decode_layers=args.decode_layers, fused_lora=args.fused_lora,
-                                            rollout_lora_dtype=args.rollout_lora_dtype)
+                                            rollout_lora_dtype=args.rollout_lora_dtype,
+                                            rollout_base_dtype=args.rollout_base_dtype)
   rows = args.prompts * args.samples
   mesh_spec = dict(zip(sharding.MESH_AXES, map(int, args.mesh.split(","))))
   mesh = None if all(v == 1 for v in mesh_spec.values()) else sharding.make_mesh(mesh_spec)
@@ -179,7 +180,7 @@ def run_one(args) -> dict:
     lora_rank=args.lora_rank, tokens_per_s=rows * args.new_tokens / timings["rollout_s"], xla_memory=xla_memory,
     device=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit(),
     decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora,
-    rollout_lora_dtype=args.rollout_lora_dtype)
+    rollout_lora_dtype=args.rollout_lora_dtype, rollout_base_dtype=args.rollout_base_dtype)
 
 
 def main():
@@ -208,6 +209,9 @@ def main():
                       "the default)")
   p.add_argument("--rollout-lora-dtype", default="", choices=["", "bfloat16"],
                  help="the adapters' dtype in the rollout (ModelConfig.rollout_lora_dtype; '' = float32, theirs)")
+  p.add_argument("--rollout-base-dtype", default="", choices=["", "bfloat16"],
+                 help="NVFP4: the rollout dequantizes the base once into a bf16 copy "
+                      "(ModelConfig.rollout_base_dtype; '' = the fused kernels)")
   p.add_argument("--out", default=None,
                  help="JSON lines file (default experiments/results/grpo_step.jsonl; with --smoke, none)")
   p.add_argument("--smoke", action="store_true", help="tiny model and lengths: checks the script runs (CPU)")
@@ -231,6 +235,7 @@ def main():
       cmd += ["--memory-analysis"] if args.memory_analysis else []
       cmd += ["--fused-lora" if args.fused_lora else "--no-fused-lora"]
       cmd += ["--rollout-lora-dtype", args.rollout_lora_dtype] if args.rollout_lora_dtype else []
+      cmd += ["--rollout-base-dtype", args.rollout_base_dtype] if args.rollout_base_dtype else []
       proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
       records = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RECORD ")]
       if proc.returncode or not records:

@@ -120,7 +120,8 @@ def run_one(args):
   from qerl_jax.quant.types import nbytes
 
   config = model_config(args.model).replace(decode_attention=args.decode_attention, decode_layers=args.decode_layers,
-                                            fused_lora=args.fused_lora, gemv_lora_xa=args.gemv_lora_xa)
+                                            fused_lora=args.fused_lora, gemv_lora_xa=args.gemv_lora_xa,
+                                            rollout_base_dtype=args.rollout_base_dtype)
   base = synthetic_base(config, args.quant)
   lora = LoraConfig(rank=16, alpha=16, dtype=jnp.bfloat16)
   model = Transformer(config, base, lora=lora, rngs=nnx.Rngs(0))
@@ -168,7 +169,7 @@ def _time_rollout(args, config, graphdef, state, weight_bytes, bw, batch):
               floor_ms_per_step=floor_ms, copy_gbps=bw / 1e9, lora_rank=16, reps=args.reps,
               device=jax.devices()[0].device_kind, jax=jax.__version__,
               decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora,
-              gemv_lora_xa=args.gemv_lora_xa,
+              gemv_lora_xa=args.gemv_lora_xa, rollout_base_dtype=args.rollout_base_dtype,
               xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
@@ -257,6 +258,9 @@ def main():
                       "(ModelConfig.fused_lora; the default)")
   p.add_argument("--gemv-lora-xa", action=argparse.BooleanOptionalAction, default=True,
                  help="NVFP4: x @ A in the gemv's launch at decode rows (ModelConfig.gemv_lora_xa; the default)")
+  p.add_argument("--rollout-base-dtype", default="", choices=["", "bfloat16"],
+                 help="NVFP4: dequantize the base once per rollout into a bf16 copy "
+                      "(ModelConfig.rollout_base_dtype; '' = the fused kernels, the default)")
   p.add_argument("--xla-flag-sets", default="", metavar="SETS",
                  help="'|'-separated sets of XLA flags, one run of everything per set, each added to XLA_FLAGS "
                       "and recorded as xla_flags; e.g. '|--xla_gpu_enable_command_buffer=FUSION,CUBLAS,WHILE' "
@@ -285,7 +289,8 @@ def main():
            str(args.new_tokens), "--reps", str(args.reps),
            "--decode-attention", args.decode_attention, "--decode-layers", args.decode_layers,
            "--fused-lora" if args.fused_lora else "--no-fused-lora",
-           "--gemv-lora-xa" if args.gemv_lora_xa else "--no-gemv-lora-xa"]
+           "--gemv-lora-xa" if args.gemv_lora_xa else "--no-gemv-lora-xa",
+           "--rollout-base-dtype", args.rollout_base_dtype]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:  # records arrive as each batch finishes, so a time-out keeps what ran
       if not line.startswith("RECORD "):

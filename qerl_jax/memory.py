@@ -33,7 +33,7 @@ from qerl_jax.model.base import empty_base, proj_shapes, schemes_for
 from qerl_jax.model.config import ModelConfig
 from qerl_jax.model.linear import PROJ_NAMES
 from qerl_jax.model.transformer import SHARED_INPUT
-from qerl_jax.quant.types import NVFP4Tensor
+from qerl_jax.quant.types import NVFP4Tensor, is_quantized
 
 GB = 1e9
 
@@ -57,6 +57,7 @@ class Plan:
   batch: int  # the update's rollout batch (token ids, masks, log-probs)
   dequant: int  # transient dequantized weights where no fused kernel reads the packed ones
   layer_copies: int = 0  # the "unrolled" rollout's per-layer copies of what the kernels cannot read in place
+  base_copy: int = 0  # the rollout's dequantized copy of the quantized base (ModelConfig.rollout_base_dtype)
   notes: tuple[str, ...] = ()
 
   @property
@@ -65,7 +66,7 @@ class Plan:
 
   @property
   def rollout_peak(self) -> int:
-    return self.persistent + self.kv_cache + self.rollout_work + self.dequant + self.layer_copies
+    return self.persistent + self.kv_cache + self.rollout_work + self.dequant + self.layer_copies + self.base_copy
 
   @property
   def update_peak(self) -> int:
@@ -180,6 +181,13 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
   layer_copies = cast_copy + (_tree_bytes({"layers": copied}, "frozen", sizes) + layer_lora
                               + _tree_bytes({"layers": shared_a}, "params", sizes)
                               if cfg.decode_layers == "unrolled" else 0)
+  # ModelConfig.rollout_base_dtype: the rollout's dequantized copy of each quantized projection weight (per
+  # layer when unrolled, stacked in the scan: the same bytes), split as a 16-bit base would be.
+  base_copy = 0
+  if cfg.rollout_base_dtype:
+    dense_copy = {name: {"w": jax.ShapeDtypeStruct((cfg.num_layers, *shapes[name]), cfg.rollout_base_dtype)}
+                  for name, p in abstract["layers"].items() if isinstance(p, dict) and is_quantized(p.get("w"))}
+    base_copy = _tree_bytes({"layers": dense_copy}, "frozen", sizes)
   lora_f32 = lora * 4 // lora_it if lora_it != 4 else lora
   optimizer = 2 * lora
   grads = 2 * lora_f32 + lora  # f32 accumulator, one micro-batch's grads (f32 inside), the update tree
@@ -237,7 +245,7 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
     dequant = 0
   return Plan(weights=weights, lora=lora, optimizer=optimizer, kv_cache=kv_cache, rollout_work=rollout_work,
               grads=grads, activations=activations, logprob_buffers=logprob_buffers, batch=batch_bytes,
-              dequant=dequant, layer_copies=layer_copies, notes=tuple(notes))
+              dequant=dequant, layer_copies=layer_copies, base_copy=base_copy, notes=tuple(notes))
 
 
 def device_capacity(device: Any = None) -> int | None:
@@ -265,6 +273,9 @@ def check_fits(p: Plan, capacity: int | None, *, headroom: float = 0.95) -> None
   if p.persistent > limit:
     knob = (f"the weights, adapters and optimizer state alone take {gb(p.persistent)}: shard the base over "
             f"more devices (raise mesh.fsdp) or use a 4-bit model.quant")
+  elif p.rollout_peak >= p.update_peak and p.base_copy > max(p.kv_cache, p.rollout_work, p.layer_copies):
+    knob = (f"the rollout's dequantized copy of the base takes {gb(p.base_copy)}: set "
+            f"model.rollout_base_dtype='' (the fused kernels read the 4-bit weights in place)")
   elif p.rollout_peak >= p.update_peak and p.layer_copies > max(p.kv_cache, p.rollout_work):
     knob = (f"the rollout's per-layer copies of the 16-bit layer parameters take {gb(p.layer_copies)}: set "
             f"model.decode_layers='scan' (slower decode, no copy) or use a 4-bit model.quant")

@@ -73,6 +73,25 @@ def test_exact_parts_match_hand_counts():
                      True).layer_copies == p.layer_copies  # the adapters' own dtype: no copy
 
 
+@pytest.mark.parametrize("layers", ["unrolled", "scan"])
+def test_rollout_base_dtype_counts_one_16_bit_copy_of_the_quantized_weights(layers):
+  # ModelConfig.rollout_base_dtype="bfloat16": the rollout holds every quantized projection as a bf16 [K, N]
+  # per layer (2 bytes per weight), in the rollout phase only; a bf16 base has nothing to dequantize.
+  cfg = ModelConfig(**TINY, dtype=jnp.bfloat16, decode_layers=layers)
+  L, D, F = 2, 64, 128
+  dense = L * 2 * (D * 64 + 2 * D * 32 + 64 * D + 3 * D * F)  # q, k, v, o, gate, up, down
+  args = ("nvfp4", 8, 16, 24, None, 4, 4, True)
+  p = memory.plan(cfg, *args)
+  c = memory.plan(cfg.replace(rollout_base_dtype="bfloat16"), *args)
+  assert p.base_copy == 0 and c.base_copy == dense
+  assert c.rollout_peak - p.rollout_peak == dense and c.update_peak == p.update_peak
+  assert c.layer_copies == p.layer_copies
+  # Split over the mesh as a bf16 base's weights are: (data=2, fsdp=2, tensor=2) splits them by 4.
+  sharded = memory.plan(cfg.replace(rollout_base_dtype="bfloat16"), "nvfp4", 8, 16, 24, (2, 2, 2), 4, 4, True)
+  assert sharded.base_copy == dense // 4
+  assert memory.plan(cfg.replace(rollout_base_dtype="bfloat16"), "bf16", *args[1:]).base_copy == 0
+
+
 def test_refuses_with_the_knob_to_turn():
   import dataclasses
   cfg = ModelConfig(**TINY, dtype=jnp.bfloat16)
@@ -93,6 +112,10 @@ def test_refuses_with_the_knob_to_turn():
   with pytest.raises(memory.PlanTooLarge, match="copies of the 16-bit layer parameters take 12.0 GB: set "
                      "model.decode_layers='scan'"):
     memory.check_fits(copy_heavy, 10 * gb)
+  base_heavy = dataclasses.replace(p, base_copy=12 * gb)
+  with pytest.raises(memory.PlanTooLarge, match="dequantized copy of the base takes 12.0 GB: set "
+                     "model.rollout_base_dtype=''"):
+    memory.check_fits(base_heavy, 10 * gb)
   weight_heavy = dataclasses.replace(p, weights=11 * gb)
   with pytest.raises(memory.PlanTooLarge, match="raise mesh.fsdp"):
     memory.check_fits(weight_heavy, 10 * gb)

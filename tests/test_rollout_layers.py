@@ -173,3 +173,45 @@ def test_rollout_lora_dtype_and_fused_rows_must_be_valid():
   for rows in (-1, 8.5, "64"):
     with pytest.raises(ValueError, match="fused_lora_max_rows=.* must be an int >= 0"):
       tiny_config(fused_lora_max_rows=rows)
+
+
+@pytest.mark.parametrize("layers", ["unrolled", "scan"])
+def test_rollout_base_dtype_samples_from_the_dequantized_base_dequantized_once(layers):
+  # ModelConfig.rollout_base_dtype = "bfloat16": an NVFP4 model rolls out exactly as a model whose base was
+  # replaced by `quant.dequantize(w, bf16)` beforehand (same tokens, same log-probs), and its decode loop
+  # reads no 4-bit codes (the dequantization happens once, before the loop); without it, the loop does.
+  from qerl_jax.quant import dequantize
+  seed = fresh_seed()
+  config = tiny_config(dtype="bfloat16", decode_layers=layers)
+  model = random_model(config, seed, quant="nvfp4")
+  dense = random_model(config, seed, quant="nvfp4")
+  for name in PROJ_NAMES:
+    proj = getattr(dense.layers, name)
+    proj.weight.set_value(jax.vmap(lambda q: dequantize(q, jnp.bfloat16))(proj.weight.get_value()))
+  rng = np.random.default_rng(seed)
+  prompt = jnp.asarray(rng.integers(1, config.vocab_size, (3, 5)), jnp.int32)
+  valid = jnp.asarray(np.arange(5)[None, :] >= np.array([0, 2, 3])[:, None])
+  key = jax.random.key(seed)
+  model.config = config.replace(rollout_base_dtype="bfloat16")
+  copied = _rollout(model, prompt, valid, key, None)
+  ref = _rollout(dense, prompt, valid, key, None)
+  np.testing.assert_array_equal(copied.tokens_BxN, ref.tokens_BxN)
+  np.testing.assert_array_equal(copied.logprobs_BxN, ref.logprobs_BxN)
+  assert float(jnp.abs(ref.logprobs_BxN).sum()) > 0
+
+  def code_reads(cfg):
+    model.config = cfg
+    graphdef, state = nnx.split(model)
+    jaxpr = jax.make_jaxpr(lambda s: engine.rollout(
+        graphdef, s, prompt, valid, key, sampling=SamplingParams(temperature=1.0), max_new_tokens=4,
+        stop_ids=()))(state)
+    (body,) = _while_bodies(jaxpr.jaxpr)
+    return [e for e in _eqns(body) if any(getattr(v.aval, "dtype", None) == jnp.uint8 for v in e.invars)]
+
+  assert not code_reads(config.replace(rollout_base_dtype="bfloat16"))
+  assert code_reads(config)
+
+
+def test_rollout_base_dtype_must_be_known():
+  with pytest.raises(ValueError, match="rollout_base_dtype='int4' must be"):
+    tiny_config(rollout_base_dtype="int4")

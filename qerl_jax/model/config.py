@@ -90,6 +90,13 @@ class ModelConfig:
   # above and the bf16 x @ A. The rollout then samples from the bf16-rounded adapters; the update still
   # differentiates the float32 ones (its old log-probs come from its own forward, not from the rollout).
   rollout_lora_dtype: str = ""
+  # The quantized base weights' form inside a rollout: "" keeps them (NVFP4 through the fused kernels);
+  # "bfloat16" dequantizes each once per rollout, before the decode loop, into a copy that lives for that
+  # rollout only (the planner counts it). At a trainer's rollout batch the decode matmuls are no longer
+  # weight-streaming bound, and there the kernels lose to XLA's bf16 dot: on an H200 at 41186a8 (7B) the
+  # NVFP4 rollout ran 0.83x bf16's tokens/s at batch 64 and 0.71x at 128, 1.04x at 8. The copy's weights are
+  # the XLA path's (`quant.dequantize` to bf16, the training forward's from kernels' xla_min_rows rows on).
+  rollout_base_dtype: str = ""
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None
@@ -119,6 +126,9 @@ class ModelConfig:
     if self.rollout_lora_dtype not in ("", "bfloat16", "float16", "float32"):
       raise ValueError(f"rollout_lora_dtype={self.rollout_lora_dtype!r} must be '' (the adapters' own), "
                        "'bfloat16', 'float16' or 'float32'")
+    if self.rollout_base_dtype not in ("", "bfloat16", "float16"):
+      raise ValueError(f"rollout_base_dtype={self.rollout_base_dtype!r} must be '' (the stored base), "
+                       "'bfloat16' or 'float16'")
     rope_type = self.rope_scaling_dict.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
       raise ValueError(f"unsupported {rope_type=}; supported: {SUPPORTED_ROPE_TYPES}")

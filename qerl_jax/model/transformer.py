@@ -36,7 +36,8 @@ from qerl_jax.model import attention as attn
 from qerl_jax.model.config import ModelConfig
 from qerl_jax.model.linear import (PROJ_NAMES, Frozen, LayerOf, LoraConfig, Projection, init_loras, linear, linears,
                                    logical_shape, shared_lora_a)
-from qerl_jax.quant.types import NVFP4Tensor
+from qerl_jax.quant import api as quant_api
+from qerl_jax.quant.types import NVFP4Tensor, is_quantized
 
 # Projections that read the same input; their adapters' x @ A run as one matmul (`linears`).
 SHARED_INPUT = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
@@ -246,6 +247,31 @@ def with_adapter_dtype(params: dict[str, Any], dtype) -> dict[str, Any]:
       return p
     return {**p, "lora_a": p["lora_a"].astype(dtype), "lora_b": p["lora_b"].astype(dtype)}
   return {**params, "layers": {name: cast(p) for name, p in params["layers"].items()}}
+
+
+def with_dequantized_base(params: dict[str, Any], dtype) -> dict[str, Any]:
+  """`params` with every quantized base weight of the layers as a plain array in `dtype` (the rest untouched).
+
+  Stacked layers (a dict of [L, ...] leaves) get [L, K, N] arrays; per-layer ones (`unstack_layers`, where an
+  NVFP4 weight is `LayerOf(stack, l)`) get layer l's [K, N] alone, so no stacked copy is made on the way.
+  The values are `quant.dequantize`'s, the XLA path's (ModelConfig.rollout_base_dtype).
+  """
+  def dense(p, stacked: bool):
+    if not isinstance(p, dict) or "w" not in p:
+      return p
+    w = p["w"]
+    if isinstance(w, LayerOf):
+      w = jax.tree.map(lambda a, layer=w.layer: a[layer], w.stacked)
+    elif not is_quantized(w):
+      return p
+    elif stacked:
+      return {**p, "w": jax.vmap(lambda q: quant_api.dequantize(q, dtype))(w)}
+    return {**p, "w": quant_api.dequantize(w, dtype)}
+
+  layers = params["layers"]
+  if isinstance(layers, dict):
+    return {**params, "layers": {name: dense(p, True) for name, p in layers.items()}}
+  return {**params, "layers": [{name: dense(p, False) for name, p in layer.items()} for layer in layers]}
 
 
 def _with_shared_a(p: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from qerl_jax.model import init_cache
-from qerl_jax.model.transformer import forward, unstack_layers, with_adapter_dtype
+from qerl_jax.model.transformer import forward, unstack_layers, with_adapter_dtype, with_dequantized_base
 from qerl_jax.rollout.sampling import SamplingParams, sample
 
 # Incremented each time the decode program is traced: the tests assert one trace per bucket.
@@ -66,6 +66,8 @@ def rollout(graphdef, state, prompt_BxP, valid_BxP, key, norm_noise=None, *, sam
   per_layer = config.decode_layers == "unrolled"
   if per_layer:  # one copy per rollout instead of a slice (copy) of each stacked array per token
     params = unstack_layers(params)
+  if config.rollout_base_dtype:  # once per rollout, layer by layer (ModelConfig.rollout_base_dtype)
+    params = with_dequantized_base(params, config.rollout_base_dtype)
   fwd = functools.partial(forward, params, config, model.lora_scale, norm_noise=norm_noise)
   cache = init_cache(config, batch, cache_len, config.dtype, per_layer=per_layer)
   valid_BxS = jnp.concatenate([valid_BxP, jnp.ones((batch, max_new_tokens), bool)], axis=1)

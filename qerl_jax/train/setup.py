@@ -107,7 +107,8 @@ def build_model(config, mesh=None):
   model.config = model.config.replace(decode_layers=config.model.get("decode_layers", "unrolled"),
                                       fused_lora=bool(config.model.get("fused_lora", True)),
                                       gemv_lora_xa=bool(config.model.get("gemv_lora_xa", True)),
-                                      rollout_lora_dtype=str(config.model.get("rollout_lora_dtype", "")))
+                                      rollout_lora_dtype=str(config.model.get("rollout_lora_dtype", "")),
+                                      rollout_base_dtype=str(config.model.get("rollout_base_dtype", "")))
   return model, tokenizer
 
 
