@@ -149,9 +149,10 @@ def test_paper_configs_fit_the_gpu_they_are_sized_for(name):
   # pass each config on its GPU with the trainer's 5% headroom: the config is runnable as shipped.
   from experiments.bench_rollout import model_config
   from qerl_jax import memory
+  from qerl_jax.train.setup import runtime_choices
   c = _get(name)
   size = name[len("qwen"):]
-  model = model_config(f"qwen2.5-{size}").replace(remat=c.model.remat)
+  model = model_config(f"qwen2.5-{size}").replace(remat=c.model.remat, **runtime_choices(c))
   plan = memory.plan_from_config(c, model)
   memory.check_fits(plan, int(TARGET_GPU[name]))
   # ...and the rollout is the phase that decides, through the KV cache of its rows.

@@ -103,13 +103,18 @@ def build_model(config, mesh=None):
   With a `mesh`, a checkpoint's base is loaded straight into its shards (no device holds all of it).
   """
   model, tokenizer = _build_model(config, mesh)
-  # Runtime choices, not architecture: set on the built model's config.
-  model.config = model.config.replace(decode_layers=config.model.get("decode_layers", "unrolled"),
-                                      fused_lora=bool(config.model.get("fused_lora", True)),
-                                      gemv_lora_xa=bool(config.model.get("gemv_lora_xa", True)),
-                                      rollout_lora_dtype=str(config.model.get("rollout_lora_dtype", "")),
-                                      rollout_base_dtype=str(config.model.get("rollout_base_dtype", "")))
+  model.config = model.config.replace(**runtime_choices(config))
   return model, tokenizer
+
+
+def runtime_choices(config) -> dict:
+  """The ModelConfig fields `config.model` sets that are runtime choices, not architecture (the built
+  model's config gets them; the memory planner must see the same)."""
+  m = config.model
+  return dict(decode_layers=m.get("decode_layers", "unrolled"), fused_lora=bool(m.get("fused_lora", True)),
+              gemv_lora_xa=bool(m.get("gemv_lora_xa", True)),
+              rollout_lora_dtype=str(m.get("rollout_lora_dtype", "")),
+              rollout_base_dtype=str(m.get("rollout_base_dtype", "")))
 
 
 def _build_model(config, mesh):
