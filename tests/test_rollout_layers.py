@@ -175,16 +175,17 @@ def test_rollout_lora_dtype_and_fused_rows_must_be_valid():
       tiny_config(fused_lora_max_rows=rows)
 
 
-@pytest.mark.parametrize("layers", ["unrolled", "scan"])
-def test_rollout_base_dtype_samples_from_the_dequantized_base_dequantized_once(layers):
-  # ModelConfig.rollout_base_dtype = "bfloat16": an NVFP4 model rolls out exactly as a model whose base was
+@pytest.mark.parametrize("quant,layers", [("nvfp4", "unrolled"), ("nvfp4", "scan"), ("nf4", "unrolled"),
+                                          ("mxfp4", "scan")])
+def test_rollout_base_dtype_samples_from_the_dequantized_base_dequantized_once(quant, layers):
+  # ModelConfig.rollout_base_dtype = "bfloat16": a quantized model rolls out exactly as a model whose base was
   # replaced by `quant.dequantize(w, bf16)` beforehand (same tokens, same log-probs), and its decode loop
   # reads no 4-bit codes (the dequantization happens once, before the loop); without it, the loop does.
   from qerl_jax.quant import dequantize
   seed = fresh_seed()
   config = tiny_config(dtype="bfloat16", decode_layers=layers)
-  model = random_model(config, seed, quant="nvfp4")
-  dense = random_model(config, seed, quant="nvfp4")
+  model = random_model(config, seed, quant=quant)
+  dense = random_model(config, seed, quant=quant)
   for name in PROJ_NAMES:
     proj = getattr(dense.layers, name)
     proj.weight.set_value(jax.vmap(lambda q: dequantize(q, jnp.bfloat16))(proj.weight.get_value()))
