@@ -129,6 +129,32 @@ def test_decode_layers_must_be_known():
     tiny_config(decode_layers="loop")
 
 
+def _rollouts_equal(model, ref, config, seed, pads):
+  """Rolls out `model` (with `config`) and `ref` on one left-padded batch with one key; asserts the same
+  tokens and log-probs. Returns (model's rollout, prompt, valid, key)."""
+  rng = np.random.default_rng(seed)
+  prompt = jnp.asarray(rng.integers(1, config.vocab_size, (len(pads), 5)), jnp.int32)
+  valid = jnp.asarray(np.arange(5)[None, :] >= np.array(pads)[:, None])
+  key = jax.random.key(seed)
+  model.config = config
+  out = _rollout(model, prompt, valid, key, None)
+  ref_out = _rollout(ref, prompt, valid, key, None)
+  np.testing.assert_array_equal(out.tokens_BxN, ref_out.tokens_BxN)
+  np.testing.assert_array_equal(out.logprobs_BxN, ref_out.logprobs_BxN)
+  return out, prompt, valid, key
+
+
+def _decode_body_eqns(model, config, prompt, valid, key):
+  """Every equation in the decode loop's body of `model`'s rollout with `config`."""
+  model.config = config
+  graphdef, state = nnx.split(model)
+  jaxpr = jax.make_jaxpr(lambda s: engine.rollout(
+      graphdef, s, prompt, valid, key, sampling=SamplingParams(temperature=1.0), max_new_tokens=4,
+      stop_ids=()))(state)
+  (body,) = _while_bodies(jaxpr.jaxpr)
+  return list(_eqns(body))
+
+
 @pytest.mark.parametrize("layers", ["unrolled", "scan"])
 def test_rollout_lora_dtype_samples_from_the_cast_adapters_cast_once(layers):
   # ModelConfig.rollout_lora_dtype = "bfloat16": a model with float32 adapters rolls out exactly as one whose
@@ -142,27 +168,15 @@ def test_rollout_lora_dtype_samples_from_the_cast_adapters_cast_once(layers):
     for ab in ("lora_a", "lora_b"):
       value = getattr(getattr(model.layers, name), ab).get_value()
       getattr(getattr(rounded.layers, name), ab).set_value(value.astype(jnp.bfloat16))
-  rng = np.random.default_rng(seed)
-  prompt = jnp.asarray(rng.integers(1, config.vocab_size, (3, 5)), jnp.int32)
-  valid = jnp.asarray(np.arange(5)[None, :] >= np.array([0, 1, 3])[:, None])
-  key = jax.random.key(seed)
-  model.config = config.replace(rollout_lora_dtype="bfloat16")
-  cast = _rollout(model, prompt, valid, key, None)
-  ref = _rollout(rounded, prompt, valid, key, None)
-  np.testing.assert_array_equal(cast.tokens_BxN, ref.tokens_BxN)
-  np.testing.assert_array_equal(cast.logprobs_BxN, ref.logprobs_BxN)
+  cast, prompt, valid, key = _rollouts_equal(model, rounded, config.replace(rollout_lora_dtype="bfloat16"), seed,
+                                             (0, 1, 3))
   model.config = config
   own = _rollout(model, prompt, valid, key, None)  # float32 adapters: other rounding, other log-probs
   assert not np.array_equal(np.asarray(own.logprobs_BxN), np.asarray(cast.logprobs_BxN))
 
-  model.config = config.replace(rollout_lora_dtype="bfloat16")
-  graphdef, state = nnx.split(model)
-  jaxpr = jax.make_jaxpr(lambda s: engine.rollout(
-      graphdef, s, prompt, valid, key, sampling=SamplingParams(temperature=1.0), max_new_tokens=4,
-      stop_ids=()))(state)
-  (body,) = _while_bodies(jaxpr.jaxpr)
+  body = _decode_body_eqns(model, config.replace(rollout_lora_dtype="bfloat16"), prompt, valid, key)
   a_shape = (config.hidden_size, 4)  # an A [K, r] (per layer, or stacked [L, K, r])
-  f32_reads = [e for e in _eqns(body) if e.primitive.name == "convert_element_type"
+  f32_reads = [e for e in body if e.primitive.name == "convert_element_type"
                and e.invars[0].aval.dtype == jnp.float32 and e.invars[0].aval.shape[-2:] == a_shape]
   assert not f32_reads, [str(e)[:200] for e in f32_reads]
 
@@ -189,25 +203,13 @@ def test_rollout_base_dtype_samples_from_the_dequantized_base_dequantized_once(q
   for name in PROJ_NAMES:
     proj = getattr(dense.layers, name)
     proj.weight.set_value(jax.vmap(lambda q: dequantize(q, jnp.bfloat16))(proj.weight.get_value()))
-  rng = np.random.default_rng(seed)
-  prompt = jnp.asarray(rng.integers(1, config.vocab_size, (3, 5)), jnp.int32)
-  valid = jnp.asarray(np.arange(5)[None, :] >= np.array([0, 2, 3])[:, None])
-  key = jax.random.key(seed)
-  model.config = config.replace(rollout_base_dtype="bfloat16")
-  copied = _rollout(model, prompt, valid, key, None)
-  ref = _rollout(dense, prompt, valid, key, None)
-  np.testing.assert_array_equal(copied.tokens_BxN, ref.tokens_BxN)
-  np.testing.assert_array_equal(copied.logprobs_BxN, ref.logprobs_BxN)
-  assert float(jnp.abs(ref.logprobs_BxN).sum()) > 0
+  copied, prompt, valid, key = _rollouts_equal(model, dense, config.replace(rollout_base_dtype="bfloat16"), seed,
+                                               (0, 2, 3))
+  assert float(jnp.abs(copied.logprobs_BxN).sum()) > 0
 
   def code_reads(cfg):
-    model.config = cfg
-    graphdef, state = nnx.split(model)
-    jaxpr = jax.make_jaxpr(lambda s: engine.rollout(
-        graphdef, s, prompt, valid, key, sampling=SamplingParams(temperature=1.0), max_new_tokens=4,
-        stop_ids=()))(state)
-    (body,) = _while_bodies(jaxpr.jaxpr)
-    return [e for e in _eqns(body) if any(getattr(v.aval, "dtype", None) == jnp.uint8 for v in e.invars)]
+    return [e for e in _decode_body_eqns(model, cfg, prompt, valid, key)
+            if any(getattr(v.aval, "dtype", None) == jnp.uint8 for v in e.invars)]
 
   assert not code_reads(config.replace(rollout_base_dtype="bfloat16"))
   assert code_reads(config)
