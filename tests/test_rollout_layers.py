@@ -189,8 +189,9 @@ def test_rollout_lora_dtype_and_fused_rows_must_be_valid():
       tiny_config(fused_lora_max_rows=rows)
 
 
-@pytest.mark.parametrize("quant,layers", [("nvfp4", "unrolled"), ("nvfp4", "scan"), ("nf4", "unrolled"),
-                                          ("mxfp4", "scan")])
+@pytest.mark.parametrize("quant,layers", [("nvfp4", "unrolled"), ("nvfp4", "scan"),  # the other formats: slow
+                                          pytest.param("nf4", "unrolled", marks=pytest.mark.slow),
+                                          pytest.param("mxfp4", "scan", marks=pytest.mark.slow)])
 def test_rollout_base_dtype_samples_from_the_dequantized_base_dequantized_once(quant, layers):
   # ModelConfig.rollout_base_dtype = "bfloat16": a quantized model rolls out exactly as a model whose base was
   # replaced by `quant.dequantize(w, bf16)` beforehand (same tokens, same log-probs), and its decode loop
