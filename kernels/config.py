@@ -45,6 +45,10 @@ class Nvfp4MatmulConfig:
   ragged_split: a tile forward's K ranges may be ragged (the last one shorter), so its automatic split can
   reach ``programs_per_sm`` whatever the factors of the K steps; off, it is a power of two that divides them.
   The ragged plan is kept only where it gives more programs than the even one. The gemv's are always ragged.
+  one_round: the automatic split is the largest whose programs fit one round of ``programs_per_sm`` per SM,
+  not the smallest that reaches it. At compute-bound rows a few programs past the round start a second, mostly
+  idle one (7B at 128 rows, 41186a8: qkv 288 programs, o 392, gate_up 296 for 264 slots, and those three ran
+  0.48-0.69x the bf16 dot; down, 224, 0.74x). Untimed: off everywhere until measured.
   half_products: for the gemv engine with an e4m3-route decoder ("asm_e4m3", "jnp"), each NVFP4 block's 16
   products (E2M1 / 64 times x, exact in float16 once the kernel scales the block's x by a power of two into
   float16's range) and their sum are float16; the sum is then scaled and accumulated in float32. ``fit`` drops
@@ -70,6 +74,7 @@ class Nvfp4MatmulConfig:
   prefetch: int = 0  # gemv: K trips whose weights are loaded ahead of the math (True = 1; see nvfp4_gemv)
   programs_per_sm: int = 2  # the automatic split's goal: this many programs per SM (``fit``)
   ragged_split: bool = False  # tile forward: ragged K ranges (the gemv's always are)
+  one_round: bool = False  # automatic split: at most one round of programs_per_sm x SMs (``fit``)
   half_products: bool = False  # gemv, e4m3-route decoders: each block's products and sum in float16
 
   def __post_init__(self):
@@ -179,7 +184,7 @@ def _plan_split(cfg: Nvfp4MatmulConfig, tiles: int, k: int, n: int, block_n: int
                 target: int, auto_split: bool, ragged: bool) -> tuple[int, int]:
   """(block_k, split) for `fit`: the split for ``block_k``, then, for a few-row forward short of the target,
   shorter K steps while they allow a larger split."""
-  split = _split(cfg.split, tiles, k, n, block_n, block_k, direction, target, auto_split, ragged)
+  split = _split(cfg.split, tiles, k, n, block_n, block_k, direction, target, auto_split, ragged, cfg.one_round)
   # With few rows a forward is latency-bound when too few programs stream the weight. On an H200 the 7B
   # down_proj ran, at 1 row (gemv, 4aae426), 83 us unsplit (224 programs) and 64-69 us split 2-4 with shorter
   # K steps; at 16 rows (tile kernel, 5c4c18a), 218 us with 56 programs and 109 us with 112.
@@ -192,11 +197,17 @@ def _plan_split(cfg: Nvfp4MatmulConfig, tiles: int, k: int, n: int, block_n: int
 
 
 def _split(split: int, tiles: int, k: int, n: int, block_n: int, block_k: int, direction: str, target: int,
-           auto: bool, ragged: bool = False) -> int:
+           auto: bool, ragged: bool = False, one_round: bool = False) -> int:
   """The contraction split: the given one, or (auto) the one that gives ~``target`` programs (tile kernels: a
   power of two up to 32); capped by the contraction steps. Forward: ragged (gemv), lowered until no K range
-  is empty; otherwise lowered until it divides the steps (split-K cuts K into whole block_k steps)."""
+  is empty; otherwise lowered until it divides the steps (split-K cuts K into whole block_k steps).
+  one_round (auto): the largest such split with at most ``target`` programs (1 if even one split has more)."""
   steps = k // block_k if direction == "fwd" else -(-n // block_n)
+  if auto and one_round:
+    ranges = (lambda s: split_trips(steps, s)[1]) if direction == "fwd" and ragged else (lambda s: s)  # noqa: E731
+    fits = [s for s in range(1, min(steps, 32) + 1) if tiles * ranges(s) <= target
+            and (ragged and direction == "fwd" or (s & (s - 1) == 0 and (direction != "fwd" or steps % s == 0)))]
+    return ranges(max(fits)) if fits else 1
   if auto and ragged:  # the fewest ranges that reach the target once empty ones are dropped
     split = needed = -(-target // tiles)
     while split < steps and split_trips(steps, split)[1] < needed:

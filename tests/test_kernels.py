@@ -390,6 +390,34 @@ def test_few_row_forwards_shorten_k_steps_when_they_admit_no_split():
   assert bwd.block_k == 64
 
 
+def test_one_round_split_is_the_largest_that_fits_one_round():
+  # ``one_round``: the automatic split stops at one round of programs_per_sm x 132 SMs = 264 programs instead
+  # of passing it. The H200's 65-256-row tile (128 x 128, block_k 64) at 128 rows, 7B: qkv's 36 column tiles
+  # and 56 K steps take 4 even ranges (144; 8 would be 288) or 7 ragged ones of 8 steps (252); o's 28 tiles
+  # 8 ranges of 7 (224, both ways: 9 ragged ranges would be 8); down's 296 steps 8 even (224) or 9 ragged of 33
+  # (252); gate_up's 296 tiles are already past the round: unsplit. Without it: 288, 392, 296, 224 programs.
+  def programs(k, n, **fields):
+    base = config_lib.get_config("fwd", 128, k, n, "NVIDIA H200")
+    cfg = config_lib.fit(dataclasses.replace(base, split=1, **fields), "fwd", 128, k, n, auto_split=True)
+    assert cfg.block_k == 64 and config_lib.split_trips(k // 64, cfg.split)[1] == cfg.split  # no empty range
+    return -(-n // cfg.block_n) * cfg.split, cfg.split
+
+  shapes = {"qkv": (3584, 4608), "o": (3584, 3584), "down": (18944, 3584), "gate_up": (3584, 37888)}
+  assert {name: programs(*kn) for name, kn in shapes.items()} == {
+    "qkv": (288, 8), "o": (392, 14), "down": (224, 8), "gate_up": (296, 1)}
+  assert {name: programs(*kn, one_round=True) for name, kn in shapes.items()} == {
+    "qkv": (144, 4), "o": (224, 8), "down": (224, 8), "gate_up": (296, 1)}
+  assert {name: programs(*kn, one_round=True, ragged_split=True) for name, kn in shapes.items()} == {
+    "qkv": (252, 7), "o": (224, 8), "down": (252, 9), "gate_up": (296, 1)}
+  assert config_lib.split_trips(56, 7) == (8, 7) and config_lib.split_trips(296, 9) == (33, 9)
+  # The backward's split over N obeys the same cap: 7B o_proj at 128 rows has 2 x 28 tiles of dx (64 x 128) and
+  # 56 N steps of 64: split 8 (448 programs) uncapped, 4 (224) capped.
+  bwd = Nvfp4MatmulConfig(block_m=64, block_n=64, block_k=128)
+  splits = [config_lib.fit(dataclasses.replace(bwd, one_round=cap), "bwd", 128, 3584, 3584, auto_split=True).split
+            for cap in (False, True)]
+  assert splits == [8, 4]
+
+
 def test_gemv_split_leaving_a_k_range_empty_is_refused(request):
   from kernels.nvfp4_gemv import nvfp4_gemv_pallas
   q = _random_q(_rng(request), 96, 32)  # 6 K steps of 16: 4 ranges of 2 would leave the fourth empty
