@@ -20,7 +20,7 @@ def gsm8k_config(model_id: str, arg: str | None) -> ml_collections.ConfigDict:
   c.rollout.max_new_tokens = 4096
   c.train.batch_size = 128
   # 128 rows per rollout call: there the fused kernels lose to XLA's bf16 dot, so the rollout dequantizes the
-  # base once into a bf16 copy (+13 GB at 7B; the planner puts the 7B recipe at 73.9 GB, inside 80 GB) and
+  # base once into a bf16 copy (13 GB at 7B by the planner, which puts the 7B recipe at 73.9 GB) and
   # holds bf16 adapters. One H200, 7B (41186a8 / 73f3cb7): 13607.7 against 9820.6 tok/s at 128 rows (bf16
   # LoRA 13842.6); GRPO step 19.96 s against 22.20 (experiments/RESULTS.md).
   c.model.rollout_base_dtype = "bfloat16"
