@@ -203,11 +203,12 @@ def _split(split: int, tiles: int, k: int, n: int, block_n: int, block_k: int, d
   is empty; otherwise lowered until it divides the steps (split-K cuts K into whole block_k steps).
   one_round (auto): the largest such split with at most ``target`` programs (1 if even one split has more)."""
   steps = k // block_k if direction == "fwd" else -(-n // block_n)
-  if auto and one_round:
-    ranges = (lambda s: split_trips(steps, s)[1]) if direction == "fwd" and ragged else (lambda s: s)  # noqa: E731
-    fits = [s for s in range(1, min(steps, 32) + 1) if tiles * ranges(s) <= target
-            and (ragged and direction == "fwd" or (s & (s - 1) == 0 and (direction != "fwd" or steps % s == 0)))]
-    return ranges(max(fits)) if fits else 1
+  if auto and one_round:  # the largest split whose programs fit one round (1 where none does)
+    if direction == "fwd" and ragged:
+      splits = {split_trips(steps, s)[1] for s in range(1, min(steps, 32) + 1)}
+    else:
+      splits = {s for s in (1, 2, 4, 8, 16, 32) if s <= steps and (direction != "fwd" or steps % s == 0)}
+    return max((s for s in splits if tiles * s <= target), default=1)
   if auto and ragged:  # the fewest ranges that reach the target once empty ones are dropped
     split = needed = -(-target // tiles)
     while split < steps and split_trips(steps, split)[1] < needed:

@@ -93,9 +93,10 @@ class ModelConfig:
   # The quantized base weights' form inside a rollout: "" keeps them (NVFP4 through the fused kernels);
   # "bfloat16" dequantizes each once per rollout, before the decode loop, into a copy that lives for that
   # rollout only (the planner counts it). At a trainer's rollout batch the decode matmuls are no longer
-  # weight-streaming bound, and there the kernels lose to XLA's bf16 dot: on an H200 at 41186a8 (7B) the
-  # NVFP4 rollout ran 0.83x bf16's tokens/s at batch 64 and 0.71x at 128, 1.04x at 8. The copy's weights are
-  # the XLA path's (`quant.dequantize` to bf16, the training forward's from kernels' xla_min_rows rows on).
+  # weight-streaming bound, and there the kernels lose to XLA's bf16 dot: on an H200 (7B) the NVFP4 rollout
+  # ran 0.71x bf16's tokens/s at batch 128 (41186a8), 0.83x at 64 and 1.04x at 8 (e2d8b42); with the copy
+  # 0.98x at 128 and 0.99x at 64 (73f3cb7), for 10.5-13.8 GB more peak memory. The copy's weights are the XLA
+  # path's (`quant.dequantize` to bf16, the training forward's from kernels' xla_min_rows rows on).
   rollout_base_dtype: str = ""
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()

@@ -256,17 +256,15 @@ def with_dequantized_base(params: dict[str, Any], dtype) -> dict[str, Any]:
   NVFP4 weight is `LayerOf(stack, l)`) get layer l's [K, N] alone, so no stacked copy is made on the way.
   The values are `quant.dequantize`'s, the XLA path's (ModelConfig.rollout_base_dtype).
   """
+  to_dense = lambda q: quant_api.dequantize(q, dtype)  # noqa: E731
+
   def dense(p, stacked: bool):
-    if not isinstance(p, dict) or "w" not in p:
+    w = p.get("w") if isinstance(p, dict) else None
+    if isinstance(w, LayerOf):  # layer l of the stack alone
+      return {**p, "w": to_dense(jax.tree.map(lambda a: a[w.layer], w.stacked))}
+    if not is_quantized(w):
       return p
-    w = p["w"]
-    if isinstance(w, LayerOf):
-      w = jax.tree.map(lambda a, layer=w.layer: a[layer], w.stacked)
-    elif not is_quantized(w):
-      return p
-    elif stacked:
-      return {**p, "w": jax.vmap(lambda q: quant_api.dequantize(q, dtype))(w)}
-    return {**p, "w": quant_api.dequantize(w, dtype)}
+    return {**p, "w": jax.vmap(to_dense)(w) if stacked else to_dense(w)}
 
   layers = params["layers"]
   if isinstance(layers, dict):
