@@ -264,7 +264,7 @@ def with_dequantized_base(params: dict[str, Any], dtype) -> dict[str, Any]:
       return {**p, "w": to_dense(jax.tree.map(lambda a: a[w.layer], w.stacked))}
     if not is_quantized(w):
       return p
-    return {**p, "w": jax.vmap(to_dense)(w) if stacked else to_dense(w)}
+    return {**p, "w": quant_api.dequantize_stacked(w, dtype) if stacked else to_dense(w)}
 
   layers = params["layers"]
   if isinstance(layers, dict):

@@ -5,6 +5,6 @@ from qerl_jax.quant.types import (  # noqa: F401
   is_quantized, nbytes,
 )
 from qerl_jax.quant.api import (  # noqa: F401
-  SCHEMES, dequantize, dequantize_NxK, from_ct_tensors, nvfp4_global_scale, quantize, quantize_NxK,
+  SCHEMES, dequantize, dequantize_NxK, dequantize_stacked, from_ct_tensors, nvfp4_global_scale, quantize, quantize_NxK,
   shared_global_scale, to_ct_tensors,
 )

@@ -111,6 +111,11 @@ def dequantize(q: QuantizedTensor, dtype=jnp.bfloat16) -> jax.Array:
   return dequantize_NxK(q, dtype).T
 
 
+def dequantize_stacked(q: QuantizedTensor, dtype=jnp.bfloat16) -> jax.Array:
+  """The [L, K, N] weights a stack of L quantized tensors (every array with a leading L axis) stands for."""
+  return jax.vmap(lambda one: dequantize(one, dtype))(q)
+
+
 def nvfp4_global_scale(w: jax.Array) -> jax.Array:
   """float32 [1] NVFP4 global scale 2688 / amax(|w|) (any layout: it only depends on amax)."""
   return nvfp4.global_scale(jnp.asarray(w))

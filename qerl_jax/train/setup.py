@@ -144,12 +144,12 @@ def dequantize_frozen(frozen, dtype):
   dequantize every weight again at every decode step and every micro-batch, though the base never
   changes. It costs the memory of a dequantized copy, so GPU configs keep the packed weights.
   """
-  from qerl_jax.quant import dequantize, is_quantized  # pylint: disable=import-outside-toplevel
+  from qerl_jax.quant import dequantize_stacked, is_quantized  # pylint: disable=import-outside-toplevel
 
   def expand(x):
     if not is_quantized(x):
       return x
-    return jax.jit(jax.vmap(lambda q: dequantize(q, dtype)))(x)  # stacked layers: one [K, N] per layer
+    return jax.jit(dequantize_stacked, static_argnums=1)(x, dtype)  # stacked layers: one [K, N] per layer
 
   return jax.tree.map(expand, frozen, is_leaf=is_quantized)
 
