@@ -236,7 +236,18 @@ def refuse_per_run_flags(p: argparse.ArgumentParser, args) -> None:
     p.error("--model and --quant are the per-run flags of the subprocess; use --models and --quants")
 
 
-def main():
+def _joined_flag_values(argv: list[str]) -> list[str]:
+  """argv with "--xla-flag-sets --xla_x=1" as "--xla-flag-sets=--xla_x=1": argparse takes a value that starts
+  with "--" for an option and stops, so a lone flag set would otherwise need the "=" form."""
+  out = list(argv)
+  for i, arg in enumerate(out[:-1]):
+    if arg == "--xla-flag-sets" and out[i + 1].startswith("--xla"):
+      out[i:i + 2] = [f"{arg}={out[i + 1]}"]
+      break
+  return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   # No abbreviations (allow_abbrev=False): "--model" must not stand for "--models" or the reverse.
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                               allow_abbrev=False)
@@ -267,8 +278,13 @@ def main():
                       "runs the default, then the same with command buffers")
   p.add_argument("--smoke", action="store_true", help="tiny model, few tokens: checks the script runs")
   add_per_run_flags(p)
-  args = p.parse_args()
+  args = p.parse_args(_joined_flag_values(sys.argv[1:] if argv is None else argv))
   refuse_per_run_flags(p, args)
+  return args
+
+
+def main():
+  args = parse_args()
   if args.one:
     for record in (run_hf(args) if args.quant == "hf-bf16" else run_one(args)):
       print("RECORD " + json.dumps(record), flush=True)

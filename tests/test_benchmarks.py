@@ -277,3 +277,18 @@ def test_tuning_variant_changes_one_entry_and_refuses_bad_ones(tmp_path):
     tuning_variant.variant(base, "fwd", 3, {"num_warps": 8})
   with pytest.raises(ValueError, match="dequant"):
     tuning_variant.variant(base, "fwd", 2, {"dequant": "nibbles"})
+
+
+@pytest.mark.parametrize("argv, flag_sets", [
+  (["--xla-flag-sets", "--xla_gpu_dot_merger_threshold_mb=0", "--reps", "2"], "--xla_gpu_dot_merger_threshold_mb=0"),
+  (["--xla-flag-sets", "--xla_a=1 --xla_b=2"], "--xla_a=1 --xla_b=2"),
+  (["--xla-flag-sets=--xla_a=1"], "--xla_a=1"),
+  (["--xla-flag-sets", "|--xla_a=1"], "|--xla_a=1"),
+  ([], ""),
+])
+def test_bench_rollout_takes_a_lone_flag_set(argv, flag_sets):
+  # A lone set given as "--xla-flag-sets --xla_..." once stopped a GPU call at argparse (3203742).
+  from experiments.bench_rollout import parse_args
+  args = parse_args(argv)
+  assert args.xla_flag_sets == flag_sets
+  assert args.reps == (2 if "--reps" in argv else 3)
