@@ -68,6 +68,19 @@ def test_smollm2_greedy_generation_matches_transformers(smollm2):
     assert out.token_ids == ref, (tokenizer.decode(out.token_ids), tokenizer.decode(ref))
 
 
+def test_stop_string_cut_with_the_real_tokenizer(smollm2):
+  """A stop string that starts inside one BPE token and ends inside the next: the text stops before it, the
+  tokens run through the one that completed it."""
+  from qerl_jax.rollout.generate import cut_at_stop_string  # pylint: disable=import-outside-toplevel
+  _, tokenizer, _ = smollm2
+  ids = list(tokenizer("The sea is calm tonight. Waves roll in slowly.", add_special_tokens=False)["input_ids"])
+  kept, text, stop = cut_at_stop_string(tokenizer, ids, [" slowly", ". Wav"])
+  assert (text, stop) == ("The sea is calm tonight", ". Wav")
+  assert ". Wav" in tokenizer.decode(ids[:kept]) and ". Wav" not in tokenizer.decode(ids[:kept - 1])
+  assert kept < len(ids)
+  assert cut_at_stop_string(tokenizer, ids, ["storm"]) is None
+
+
 def test_unpermute_rows_inverts_the_llama_cpp_permutation():
   seed = fresh_seed()
   rng = np.random.default_rng(seed)

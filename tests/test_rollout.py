@@ -94,10 +94,33 @@ def test_stop_tokens_lengths_and_padding(tiny_qwen2):
   for f, o in zip(free, outs):
     if stop in f.token_ids:
       cut = f.token_ids.index(stop) + 1
-      assert o.token_ids == f.token_ids[:cut] and o.finish_reason == "stop"
+      assert o.token_ids == f.token_ids[:cut] and o.finish_reason == "stop" and o.stop_reason == stop
     else:
-      assert o.token_ids == f.token_ids and o.finish_reason == "length"
+      assert o.token_ids == f.token_ids and o.finish_reason == "length" and o.stop_reason is None
   assert outs[0].finish_reason == "stop" and len(outs[0].token_ids) <= 4
+
+
+def test_stop_strings_cut_the_text_before_them_and_the_tokens_through_them(tiny_qwen2):
+  # vLLM's `stop`: the text ends before the first stop string, the tokens (and log-probs) run through the one
+  # that completed it; a row without any is untouched.
+  _, model = tiny_qwen2
+  rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**31))
+  prompts = _prompts(rng, 6)
+  tok = IdTokenizer()
+  free = qerl_jax.generate(model, tok, prompts, max_new_tokens=10, temperature=0, stop_token_ids=())
+  stop = f"{free[0].token_ids[3]} {free[0].token_ids[4]}"  # spans two tokens of row 0
+  outs = qerl_jax.generate(model, tok, prompts, max_new_tokens=10, temperature=0, stop_token_ids=(),
+                           stop=["no such text", stop])
+  for f, o in zip(free, outs):
+    if stop in f.text:
+      k = len(o.token_ids)
+      assert o.text == f.text[:f.text.index(stop)]
+      assert o.token_ids == f.token_ids[:k] and o.logprobs == f.logprobs[:k]
+      assert stop in tok.decode(o.token_ids) and stop not in tok.decode(o.token_ids[:-1])
+      assert (o.finish_reason, o.stop_reason) == ("stop", stop)
+    else:
+      assert (o.token_ids, o.text, o.finish_reason, o.stop_reason) == (f.token_ids, f.text, "length", None)
+  assert outs[0].finish_reason == "stop" and len(outs[0].token_ids) <= 5
 
 
 def test_decode_compiles_once_per_bucket_and_seeds_reproduce(tiny_qwen2):
@@ -139,6 +162,8 @@ def test_left_pad_layout():
   ([[1, 2]], dict(max_new_tokens=4, top_p=0.0), "top_p"),
   ([[1, 2]], dict(max_new_tokens=4, top_p=1.2), "top_p"),
   ([[1] * 250], dict(max_new_tokens=10), "exceeds"),
+  ([[1, 2]], dict(max_new_tokens=4, stop=["</a>", ""]), "stop strings"),
+  ([[1, 2]], dict(max_new_tokens=4, stop=[7]), "stop strings"),
 ])
 def test_bad_input_is_refused_before_compiling(tiny_qwen2, prompts, kwargs, match):
   _, model = tiny_qwen2

@@ -28,6 +28,9 @@ class Completion:
   logprobs: list[float]
   text: str
   finish_reason: str  # "stop" or "length"
+  # What stopped it, as vLLM reports it: the stop string, or the id from ``stop_token_ids`` (None for the
+  # default end-of-sequence ids and for "length").
+  stop_reason: int | str | None = None
 
 
 def bucket_batch(n: int) -> int:
@@ -65,6 +68,36 @@ def encode_prompt(tokenizer, prompt: Any) -> list[int]:
                   f"{type(prompt).__name__}")
 
 
+def stop_strings(stop) -> tuple[str, ...]:
+  """``stop`` (None, one string or a sequence of them) as a tuple of non-empty strings."""
+  stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+  bad = [s for s in stops if not isinstance(s, str) or not s]
+  if bad:
+    raise ValueError(f"stop strings must be non-empty strings, got {bad!r}")
+  return stops
+
+
+def cut_at_stop_string(tokenizer, ids: Sequence[int], stops: Sequence[str]):
+  """(tokens kept, text, the stop string) for the first stop string in the decoded ``ids``, else None.
+
+  As vLLM does: the text ends before the stop string; the tokens run through the one that completed it. The
+  decode loop only knows token ids, so a stop string is found after it, and the tokens it sampled past the
+  string are dropped here."""
+  text = tokenizer.decode(list(ids), skip_special_tokens=True)
+  found = [(text.find(s), s) for s in stops if s in text]
+  if not found:
+    return None
+  at, stop = min(found)
+  lo, hi = 1, len(ids)  # the shortest prefix whose text holds the string (prefixes decode to prefixes)
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if stop in tokenizer.decode(list(ids[:mid]), skip_special_tokens=True):
+      hi = mid
+    else:
+      lo = mid + 1
+  return lo, text[:at], stop
+
+
 def left_pad(prompts: Sequence[Sequence[int]], batch: int, length: int, pad_id: int):
   """int32 [batch, length] ids and bool validity, each prompt right-aligned; extra rows are 1-token dummies."""
   tokens = np.full((batch, length), pad_id, np.int32)
@@ -77,11 +110,13 @@ def left_pad(prompts: Sequence[Sequence[int]], batch: int, length: int, pad_id: 
 
 
 def generate(model, tokenizer, prompts, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-             top_k: int = 0, seed: int = 0, stop_token_ids=None, num_samples: int = 1, norm_noise=None,
-             max_cache_len: int | None = None) -> list[Completion]:
+             top_k: int = 0, seed: int = 0, stop_token_ids=None, stop=None, num_samples: int = 1,
+             norm_noise=None, max_cache_len: int | None = None) -> list[Completion]:
   """Samples `num_samples` completions of each prompt; returns them prompt-major.
 
-  temperature=0 is greedy. `norm_noise` (AQN) is added to the RMSNorm scales for this call only.
+  temperature=0 is greedy. `stop_token_ids` end a row inside the decode loop (default: the tokenizer's EOS
+  and chat end markers); `stop` strings (vLLM's) cut each completion after it, at the first one that occurs.
+  `norm_noise` (AQN) is added to the RMSNorm scales for this call only.
   """
   if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (dict, int, np.integer))):
     prompts = [prompts]  # a single prompt: a string, a chat, or one list of ids
@@ -92,6 +127,7 @@ def generate(model, tokenizer, prompts, *, max_new_tokens: int, temperature: flo
   if num_samples <= 0:
     raise ValueError(f"{num_samples=} must be > 0")
   sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)  # validates
+  stops = stop_strings(stop)
   encoded = [encode_prompt(tokenizer, p) for p in prompts]
   for i, ids in enumerate(encoded):
     if not ids:
@@ -113,13 +149,20 @@ def generate(model, tokenizer, prompts, *, max_new_tokens: int, temperature: flo
   out = rollout(graphdef, state, tokens, valid, jax.random.key(seed), norm_noise, sampling=sampling,
                 max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=int(pad_id))
   out = jax.device_get(out)
+  explicit = set(stop_token_ids) if stop_token_ids is not None else set()
   completions = []
   for row, (p, s) in enumerate(rows):
     n = int(out.lengths_B[row])
     ids = [int(t) for t in out.tokens_BxN[row, :n]]
+    finished = bool(out.finished_B[row])
+    reason = ids[-1] if finished and ids and ids[-1] in explicit else None
+    cut = cut_at_stop_string(tokenizer, ids, stops) if stops else None
+    if cut is None:
+      text = tokenizer.decode(ids, skip_special_tokens=True)
+    else:
+      n, text, reason = cut
+      finished = True
     completions.append(Completion(
-      prompt_index=p, sample_index=s, token_ids=ids,
-      logprobs=[float(x) for x in out.logprobs_BxN[row, :n]],
-      text=tokenizer.decode(ids, skip_special_tokens=True),
-      finish_reason="stop" if bool(out.finished_B[row]) else "length"))
+      prompt_index=p, sample_index=s, token_ids=ids[:n], logprobs=[float(x) for x in out.logprobs_BxN[row, :n]],
+      text=text, finish_reason="stop" if finished else "length", stop_reason=reason))
   return completions
