@@ -387,7 +387,7 @@ def test_few_row_forwards_shorten_k_steps_when_they_admit_no_split():
   k_proj = config_lib.get_config("fwd", 1, 3584, 512, "NVIDIA H200")
   assert k_proj.split * (512 // k_proj.block_n) >= 2 * 132 and 3584 % (k_proj.block_k * k_proj.split) == 0
   bwd = config_lib.get_config("bwd", 16, 18944, 3584, "NVIDIA H200")  # the backward splits N: left alone
-  assert bwd.block_k == 128  # the file's bwd:16 entry's (since 75e847e), not shortened
+  assert bwd.block_k == 128  # the file's bwd:16 entry's (since 3dc71d5), not shortened
 
 
 def test_one_round_split_is_the_largest_that_fits_one_round():

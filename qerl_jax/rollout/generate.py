@@ -115,7 +115,8 @@ def generate(model, tokenizer, prompts, *, max_new_tokens: int, temperature: flo
   """Samples `num_samples` completions of each prompt; returns them prompt-major.
 
   temperature=0 is greedy. `stop_token_ids` end a row inside the decode loop (default: the tokenizer's EOS
-  and chat end markers); `stop` strings (vLLM's) cut each completion after it, at the first one that occurs.
+  and chat end markers); `stop` strings (vLLM's) are looked for after the loop, and each completion is cut at
+  the first one in its text.
   `norm_noise` (AQN) is added to the RMSNorm scales for this call only.
   """
   if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (dict, int, np.integer))):
