@@ -62,6 +62,9 @@ MODELS = {
   "tiny": _qwen_shapes(64, 96, 2, 1, head_dim=16),  # CPU smoke test of this script (--interpret)
 }
 ROWS = (1, 8, 16, 64, 256, 2048, 8192)
+# The launches the model makes, one per projection: an A/B meant for the model times these (at 4064ae3,
+# one_round left the fused gate_up's time alone but slowed the model's separate 18944-wide gate and up 16%).
+LAUNCHES = ("q", "kv", "o", "gate", "down")
 _L2_BYTES_x4 = 200 * 2**20  # rotate weight copies until this many bytes are in play (L2 is ~50-60 MB)
 _INTERPRET = False  # --interpret: Pallas interpret mode, a CPU smoke test (one weight copy, one timing rep)
 _TRACE = False  # --trace: each timed op also runs once as its own program, whose kernels a trace sums
@@ -369,10 +372,20 @@ def _summary(records):
   return "\n".join(lines)
 
 
+def layer_names(spec: str, parser: argparse.ArgumentParser) -> tuple[str, ...]:
+  """--layers as layer names ('launches': the model's); an unknown name stops the run before any GPU work."""
+  names = LAUNCHES if spec == "launches" else tuple(spec.split(","))
+  unknown = [n for n in names if n not in MODELS["7b"]]
+  if unknown:
+    parser.error(f"unknown --layers {unknown}; known: {sorted(MODELS['7b'])} or 'launches'")
+  return names
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--models", default="7b,14b,32b")
-  p.add_argument("--layers", default="qkv,o,gate_up,down")
+  p.add_argument("--layers", default="qkv,o,gate_up,down",
+                 help="comma-separated, or 'launches' for the shapes the model launches (" + ",".join(LAUNCHES) + ")")
   p.add_argument("--rows", default=",".join(map(str, ROWS)))
   p.add_argument("--directions", default="fwd,bwd")
   p.add_argument("--sweep", action="store_true", help="time every tile candidate; print the winners")
@@ -394,6 +407,7 @@ def main(argv=None):
                  help="comma-separated tile decoders to time on each tuned config, or with --sweep on each "
                       "candidate (e.g. jnp,halves,asm)")
   args = p.parse_args(argv)
+  layers = layer_names(args.layers, p)
   global _INTERPRET, _TRACE
   _INTERPRET, _TRACE = args.interpret, args.trace
 
@@ -409,7 +423,7 @@ def main(argv=None):
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "a") as f:
     for model in args.models.split(","):
-      for layer in args.layers.split(","):
+      for layer in layers:
         k, n = MODELS[model][layer]
         for direction in args.directions.split(","):
           for rows in map(int, args.rows.split(",")):

@@ -40,6 +40,21 @@ def test_bench_kernels_times_tile_gemv_and_xla_paths_after_checking_them(tmp_pat
       assert r["check_rel_err"] < 1e-2
 
 
+def test_bench_kernels_layers_name_the_models_launches_and_refuse_unknown_names(capsys):
+  import argparse  # pylint: disable=import-outside-toplevel
+  from experiments import bench_kernels
+  parser = argparse.ArgumentParser()
+  assert bench_kernels.layer_names("launches", parser) == ("q", "kv", "o", "gate", "down")
+  assert bench_kernels.layer_names("down,qkv", parser) == ("down", "qkv")
+  # The model's launches are its seven projections: q, k, v, o, gate, up, down (k, v and gate, up share a shape).
+  shapes = bench_kernels.MODELS["7b"]
+  assert [shapes[n] for n in bench_kernels.LAUNCHES] == [(3584, 3584), (3584, 512), (3584, 3584), (3584, 18944),
+                                                          (18944, 3584)]
+  with pytest.raises(SystemExit):
+    bench_kernels.main(["--interpret", "--models", "tiny", "--layers", "gate_up,mlp", "--out", "/dev/null"])
+  assert "unknown --layers ['mlp']" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # ~40 s: Mosaic GPU's interpreter simulates threads; the kernel's own tests run in CI
 def test_bench_kernels_times_the_mosaic_kernel_after_checking_it(tmp_path, monkeypatch):
   from experiments import bench_kernels
