@@ -121,7 +121,8 @@ def run_one(args):
 
   config = model_config(args.model).replace(decode_attention=args.decode_attention, decode_layers=args.decode_layers,
                                             fused_lora=args.fused_lora, gemv_lora_xa=args.gemv_lora_xa,
-                                            rollout_base_dtype=args.rollout_base_dtype)
+                                            rollout_base_dtype=args.rollout_base_dtype,
+                                            rollout_merged_launches=merged_groups(args))
   base = synthetic_base(config, args.quant)
   lora = LoraConfig(rank=16, alpha=16, dtype=jnp.bfloat16)
   model = Transformer(config, base, lora=lora, rngs=nnx.Rngs(0))
@@ -170,7 +171,12 @@ def _time_rollout(args, config, graphdef, state, weight_bytes, bw, batch):
               device=jax.devices()[0].device_kind, jax=jax.__version__,
               decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora,
               gemv_lora_xa=args.gemv_lora_xa, rollout_base_dtype=args.rollout_base_dtype,
-              xla_flags=os.environ.get("XLA_FLAGS", ""))
+              rollout_merged_launches=",".join(merged_groups(args)), xla_flags=os.environ.get("XLA_FLAGS", ""))
+
+
+def merged_groups(args) -> tuple[str, ...]:
+  """--merged-launches as ModelConfig.rollout_merged_launches (NVFP4 only: a bf16 base has nothing to merge)."""
+  return tuple(g for g in args.merged_launches.split(",") if g) if args.quant == "nvfp4" else ()
 
 
 def run_hf(args):
@@ -272,6 +278,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--rollout-base-dtype", default="", choices=["", "bfloat16"],
                  help="NVFP4: dequantize the base once per rollout into a bf16 copy "
                       "(ModelConfig.rollout_base_dtype; '' = the fused kernels, the default)")
+  p.add_argument("--merged-launches", default="", metavar="GROUPS",
+                 help="NVFP4: comma-separated groups (qkv, gate_up) run as one launch over a weight merged once "
+                      "per rollout (ModelConfig.rollout_merged_launches; '' = one launch per projection)")
   p.add_argument("--xla-flag-sets", default="", metavar="SETS",
                  help="'|'-separated sets of XLA flags, one run of everything per set, each added to XLA_FLAGS "
                       "and recorded as xla_flags; e.g. '|--xla_gpu_enable_command_buffer=FUSION,CUBLAS,WHILE' "
@@ -306,7 +315,7 @@ def main():
            "--decode-attention", args.decode_attention, "--decode-layers", args.decode_layers,
            "--fused-lora" if args.fused_lora else "--no-fused-lora",
            "--gemv-lora-xa" if args.gemv_lora_xa else "--no-gemv-lora-xa",
-           "--rollout-base-dtype", args.rollout_base_dtype]
+           "--rollout-base-dtype", args.rollout_base_dtype, "--merged-launches", args.merged_launches]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:  # records arrive as each batch finishes, so a time-out keeps what ran
       if not line.startswith("RECORD "):

@@ -135,15 +135,14 @@ def decode_program(sampling):
   import functools
   import jax
   from flax import nnx
-  from qerl_jax.model.transformer import forward, unstack_layers
+  from qerl_jax.model.transformer import forward
+  from qerl_jax.rollout.engine import rollout_params
   from qerl_jax.rollout.sampling import sample
 
   @jax.jit
   def decode(graphdef_state, token_B, cache, start, valid_BxS, key, steps_arr):
     model = nnx.merge(*graphdef_state)
-    params = model.params()
-    if model.config.decode_layers == "unrolled":
-      params = unstack_layers(params)
+    params = rollout_params(model.params(), model.config)  # as the rollout makes them, before its loop
     fwd = functools.partial(forward, params, model.config, model.lora_scale)
 
     def body(i, carry):
@@ -165,6 +164,7 @@ def run(args):
   from qerl_jax.rollout.sampling import SamplingParams
 
   records = []
+  merged = tuple(g for g in args.merged_launches.split(",") if g)
   for quant in args.quants:
     base = synthetic_base(model_config(args.model), quant)
     variants = [(a, l, f) for l in args.decode_layers for a in args.decode_attention
@@ -172,7 +172,8 @@ def run(args):
     for attention, layers, epilogue in variants:
       config = model_config(args.model).replace(decode_attention=attention, decode_layers=layers,
                                                 fused_lora=epilogue.startswith("fused"),
-                                                gemv_lora_xa=epilogue.endswith("gemv-xa"))
+                                                gemv_lora_xa=epilogue.endswith("gemv-xa"),
+                                                rollout_merged_launches=merged if quant == "nvfp4" else ())
       lora = LoraConfig(rank=16, alpha=16, dtype=jnp.dtype(args.lora_dtype))
       model = Transformer(config, base, lora=lora, rngs=nnx.Rngs(0))
       gs = nnx.split(model)
@@ -197,7 +198,7 @@ def run(args):
         kernel_ms = sum(totals.values()) / 1e3 / args.steps
         rec = dict(model=args.model, quant=quant, batch=batch, decode_attention=attention, decode_layers=layers,
                    fused_lora=config.fused_lora, gemv_lora_xa=config.gemv_lora_xa, lora_dtype=args.lora_dtype,
-                   steps=args.steps,
+                   rollout_merged_launches=",".join(config.rollout_merged_launches), steps=args.steps,
                    cache_len=args.cache_len, start=args.start, ms_per_step=ms_step, kernel_ms_per_step=kernel_ms,
                    span_ms_per_step=span / 1e3 / args.steps,
                    kernels_us_per_step={k: v / args.steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
@@ -238,6 +239,9 @@ def main():
                  help="NVFP4: bias and LoRA added by XLA after the matmul, fused into the kernels' epilogue, "
                       "(gemv-xa) x @ A computed in the gemv's launch at decode rows (ModelConfig.gemv_lora_xa), or "
                       "both (the gemv's x @ A at 1-2 rows, the fused epilogue elsewhere)")
+  p.add_argument("--merged-launches", default="", metavar="GROUPS",
+                 help="NVFP4: comma-separated groups (qkv, gate_up) as one launch over a merged weight "
+                      "(ModelConfig.rollout_merged_launches)")
   p.add_argument("--cache-len", type=int, default=1280)
   p.add_argument("--start", type=int, default=768, help="first cache slot written (mid-rollout)")
   p.add_argument("--steps", type=int, default=16)

@@ -58,6 +58,7 @@ class Plan:
   dequant: int  # transient dequantized weights where no fused kernel reads the packed ones
   layer_copies: int = 0  # the "unrolled" rollout's per-layer copies of what the kernels cannot read in place
   base_copy: int = 0  # the rollout's dequantized copy of the quantized base (ModelConfig.rollout_base_dtype)
+  merged_copy: int = 0  # the rollout's concatenated NVFP4 groups (ModelConfig.rollout_merged_launches)
   notes: tuple[str, ...] = ()
 
   @property
@@ -66,7 +67,8 @@ class Plan:
 
   @property
   def rollout_peak(self) -> int:
-    return self.persistent + self.kv_cache + self.rollout_work + self.dequant + self.layer_copies + self.base_copy
+    return (self.persistent + self.kv_cache + self.rollout_work + self.dequant + self.layer_copies + self.base_copy
+            + self.merged_copy)
 
   @property
   def update_peak(self) -> int:
@@ -188,6 +190,11 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
     dense_copy = {name: {"w": jax.ShapeDtypeStruct((cfg.num_layers, *shapes[name]), cfg.rollout_base_dtype)}
                   for name, p in abstract["layers"].items() if isinstance(p, dict) and is_quantized(p.get("w"))}
     base_copy = _tree_bytes({"layers": dense_copy}, "frozen", sizes)
+  # ModelConfig.rollout_merged_launches: a copy of each merged group's NVFP4 weights (not of a dense copy's).
+  merged = {name: {"w": abstract["layers"][name]["w"]} for group in cfg.rollout_merged_launches
+            for name in SHARED_INPUT[group] if not cfg.rollout_base_dtype
+            and all(isinstance(abstract["layers"][n]["w"], NVFP4Tensor) for n in SHARED_INPUT[group])}
+  merged_copy = _tree_bytes({"layers": merged}, "frozen", sizes)
   lora_f32 = lora * 4 // lora_it if lora_it != 4 else lora
   optimizer = 2 * lora
   grads = 2 * lora_f32 + lora  # f32 accumulator, one micro-batch's grads (f32 inside), the update tree
@@ -245,7 +252,8 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
     dequant = 0
   return Plan(weights=weights, lora=lora, optimizer=optimizer, kv_cache=kv_cache, rollout_work=rollout_work,
               grads=grads, activations=activations, logprob_buffers=logprob_buffers, batch=batch_bytes,
-              dequant=dequant, layer_copies=layer_copies, base_copy=base_copy, notes=tuple(notes))
+              dequant=dequant, layer_copies=layer_copies, base_copy=base_copy, merged_copy=merged_copy,
+              notes=tuple(notes))
 
 
 def device_capacity(device: Any = None) -> int | None:
@@ -276,6 +284,9 @@ def check_fits(p: Plan, capacity: int | None, *, headroom: float = 0.95) -> None
   elif p.rollout_peak >= p.update_peak and p.base_copy > max(p.kv_cache, p.rollout_work, p.layer_copies):
     knob = (f"the rollout's dequantized copy of the base takes {gb(p.base_copy)}: set "
             f"model.rollout_base_dtype='' (the fused kernels read the 4-bit weights in place)")
+  elif p.rollout_peak >= p.update_peak and p.merged_copy > max(p.kv_cache, p.rollout_work, p.layer_copies):
+    knob = (f"the rollout's merged copies of the NVFP4 groups take {gb(p.merged_copy)}: set "
+            f"model.rollout_merged_launches=() (one launch per projection, no copy)")
   elif p.rollout_peak >= p.update_peak and p.layer_copies > max(p.kv_cache, p.rollout_work):
     knob = (f"the rollout's per-layer copies of the 16-bit layer parameters take {gb(p.layer_copies)}: set "
             f"model.decode_layers='scan' (slower decode, no copy) or use a 4-bit model.quant")

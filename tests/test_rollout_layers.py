@@ -219,3 +219,78 @@ def test_rollout_base_dtype_samples_from_the_dequantized_base_dequantized_once(q
 def test_rollout_base_dtype_must_be_known():
   with pytest.raises(ValueError, match="rollout_base_dtype='int4' must be"):
     tiny_config(rollout_base_dtype="int4")
+
+
+def _decode_logits(params, config, scale, tokens):
+  """One forward over the params as the rollout prepares them (`engine.rollout_params`), jitted afresh."""
+  from qerl_jax.model.transformer import forward
+  return np.asarray(jax.jit(lambda p: forward(engine.rollout_params(p, config), config, scale, tokens))(params),
+                    np.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 6])  # the gemv with x @ A in its launch; the tile kernel's fused epilogue
+def test_merged_launches_give_the_separate_launches_logits_in_one_launch_per_group(monkeypatch, rows):
+  # ModelConfig.rollout_merged_launches: q|k|v and gate|up as one NVFP4 launch each over a weight concatenated
+  # once per rollout. Through the kernels (interpret mode) the logits equal the separate launches' (bf16
+  # activations, q/k/v biases, nonzero bf16 adapters), with 4 matmul launches per layer where there were 7.
+  import functools
+  import re
+  import kernels
+  seed = fresh_seed()
+  config = tiny_config(dtype="bfloat16")
+  model = random_model(config, seed, quant="nvfp4", lora_dtype=jnp.bfloat16)
+  tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 128, (1, rows)))
+  for name in ("nvfp4_matmul", "nvfp4_matmul_xa", "xa_shares_launch"):
+    monkeypatch.setattr(kernels, name, functools.partial(getattr(kernels, name), interpret=True))
+  merged_cfg = config.replace(rollout_merged_launches=("qkv", "gate_up"))
+  params = model.params()
+  separate = _decode_logits(params, config, model.lora_scale, tokens)
+  merged = _decode_logits(params, merged_cfg, model.lora_scale, tokens)
+  np.testing.assert_allclose(merged, separate, atol=0.02 * np.abs(separate).max(), err_msg=f"{seed=}")
+  assert np.abs(merged - separate).max() < 0.1 * np.abs(separate - separate.mean()).max(), f"{seed=}"
+
+  def launches(cfg):
+    from qerl_jax.model.transformer import forward
+    jaxpr = str(jax.make_jaxpr(lambda p: forward(engine.rollout_params(p, cfg), cfg, model.lora_scale, tokens))(
+        params))
+    # Each NVFP4 matmul is one call: with x @ A in the gemv's launch (one row), or the tile kernel's.
+    return {name: len(re.findall(rf"name={name}\b", jaxpr)) for name in ("_shared_launch", "_nvfp4_matmul_jit")}
+
+  one_launch = "_shared_launch" if rows == 1 else "_nvfp4_matmul_jit"
+  assert launches(config) == {"_shared_launch": 0, "_nvfp4_matmul_jit": 0, one_launch: 7 * config.num_layers}
+  assert launches(merged_cfg) == {"_shared_launch": 0, "_nvfp4_matmul_jit": 0, one_launch: 4 * config.num_layers}
+
+
+def test_merged_launches_sample_the_same_tokens_and_refuse_unshared_global_scales():
+  # On the XLA path (this CPU) the merged rollout samples what the separate one does; a group whose global
+  # scales differ (a checkpoint quantized without the shared scale) is refused before anything compiles.
+  seed = fresh_seed()
+  config = tiny_config()
+  model = random_model(config, seed, quant="nvfp4")
+  outs = _rollouts_by(model, config, "rollout_merged_launches", ((), ("qkv", "gate_up")),
+                      np.random.default_rng(seed), (0, 2), jax.random.key(seed))
+  np.testing.assert_array_equal(outs[()].tokens_BxN, outs[("qkv", "gate_up")].tokens_BxN)
+  np.testing.assert_allclose(outs[()].logprobs_BxN, outs[("qkv", "gate_up")].logprobs_BxN, rtol=1e-5, atol=1e-5)
+  up = model.layers.up_proj.weight
+  up.set_value(up.get_value().replace(global_scale=2 * up.get_value().global_scale))
+  before = engine.TRACE_COUNT["rollout"]
+  with pytest.raises(ValueError, match=r"'gate_up', but \['up_proj'\] have global scales"):
+    _rollouts_by(model, config, "rollout_merged_launches", (("qkv", "gate_up"),), np.random.default_rng(seed),
+                 (0,), jax.random.key(seed))
+  assert engine.TRACE_COUNT["rollout"] == before
+  _rollouts_by(model, config, "rollout_merged_launches", (("qkv",),), np.random.default_rng(seed), (0,),
+               jax.random.key(seed))  # q|k|v still share theirs
+  # Under an outer trace the scales cannot be read, so nothing is checked (the caller's promise).
+  model.config = config.replace(rollout_merged_launches=("gate_up",))
+  graphdef, state = nnx.split(model)
+  jax.make_jaxpr(lambda s: engine.rollout(graphdef, s, jnp.ones((1, 3), jnp.int32), jnp.ones((1, 3), bool),
+                                          jax.random.key(0), None, sampling=SamplingParams(temperature=1.0),
+                                          max_new_tokens=2, stop_ids=(), pad_id=0))(state)
+
+
+def test_rollout_merged_launches_must_be_known_groups_of_the_unrolled_loop():
+  with pytest.raises(ValueError, match=r"\['qk'\] are not among the groups"):
+    tiny_config(rollout_merged_launches=("qkv", "qk"))
+  with pytest.raises(ValueError, match="needs decode_layers='unrolled'"):
+    tiny_config(rollout_merged_launches=("qkv",), decode_layers="scan")
+  assert tiny_config(rollout_merged_launches=["qkv"]).rollout_merged_launches == ("qkv",)

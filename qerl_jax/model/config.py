@@ -24,6 +24,7 @@ import numpy as np
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MERGEABLE_GROUPS = ("qkv", "gate_up")  # transformer.SHARED_INPUT: projections of one input
 # Model types that are the Llama graph under another name.
 _ARCH_ALIASES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -98,6 +99,15 @@ class ModelConfig:
   # 0.98x at 128 and 0.99x at 64 (73f3cb7), for 10.5-13.8 GB more peak memory. The copy's weights are the XLA
   # path's (`quant.dequantize` to bf16, the training forward's from kernels' xla_min_rows rows on).
   rollout_base_dtype: str = ""
+  # NVFP4 projection groups that share an input ("qkv", "gate_up") run as one matmul launch inside a rollout:
+  # their weights are concatenated along N once per rollout, before the decode loop, into a copy that lives
+  # for that rollout (the planner counts it; 7B: ~2.1 GB for both groups), as vLLM merges them at load time.
+  # The model launches q, k, v and gate, up separately; on an H200 at 4064ae3 (7B, 128 rows) gate and up each
+  # ran 148 column tiles in 1.12 rounds of programs, 82.6 us per call, where the merged 3584x37888 weight took
+  # 152.1 (3203742). Predicted: -16 us per layer at 128 rows (3.6% of the step), -4 to -5 at 1 row; untimed in
+  # the model, so off by default. Needs the group's shared global scale (this project's quantizer and
+  # llm-compressor write one per fused group; the rollout checks) and decode_layers="unrolled".
+  rollout_merged_launches: tuple[str, ...] = ()
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None
@@ -130,6 +140,14 @@ class ModelConfig:
     if self.rollout_base_dtype not in ("", "bfloat16", "float16"):
       raise ValueError(f"rollout_base_dtype={self.rollout_base_dtype!r} must be '' (the stored base), "
                        "'bfloat16' or 'float16'")
+    object.__setattr__(self, "rollout_merged_launches", tuple(self.rollout_merged_launches))
+    unknown = [g for g in self.rollout_merged_launches if g not in MERGEABLE_GROUPS]
+    if unknown:
+      raise ValueError(f"rollout_merged_launches={self.rollout_merged_launches!r}: {unknown} are not among the "
+                       f"groups that share an input, {MERGEABLE_GROUPS}")
+    if self.rollout_merged_launches and self.decode_layers != "unrolled":
+      raise ValueError("rollout_merged_launches needs decode_layers='unrolled' (the merged weights are made "
+                       "once per rollout, before the per-layer decode loop)")
     rope_type = self.rope_scaling_dict.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
       raise ValueError(f"unsupported {rope_type=}; supported: {SUPPORTED_ROPE_TYPES}")

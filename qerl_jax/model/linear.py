@@ -223,8 +223,39 @@ def shared_lora_a(ps: Sequence[dict[str, Any]]) -> jax.Array | None:
   return jnp.concatenate([p["lora_a"] for p in with_lora], axis=-1)
 
 
+def merged_linears(x_BxTxK: jax.Array, ps: Sequence[dict[str, Any]], merged: dict[str, Any], lora_scale: float,
+                   fused: bool = False, gemv_xa: bool = False) -> list:
+  """`linears` over one launch of the group's merged NVFP4 weight (ModelConfig.rollout_merged_launches).
+
+  merged: {"w": LayerOf(stack of [W1 | W2 | ...] along N, layer), "b": [b1 | b2 | ...] or None, "lora_a":
+  [A1 | A2 | ... | 0] of the projections with adapters (zero columns up to a power-of-two rank) or None,
+  "lora_b": those B's block-diagonal [that rank, sum of N] or None}, made once per rollout
+  (`transformer.with_merged_launches`). The output is
+  split back per projection. At decode rows the gemv computes x @ [A1 | A2 | ...] in the same launch
+  (gemv_xa); up to the fused rows the kernel's epilogue adds the bias and the block-diagonal product (its
+  zero blocks add exact zeros); otherwise XLA adds each projection's terms as `linear` does.
+  """
+  widths = [logical_shape(_stack_and_layer(p["w"])[0])[1] for p in ps]
+  with_lora = [p for p in ps if p.get("lora_a") is not None]
+  w, a_KxRs = merged["w"], merged.get("lora_a")
+  xa = None
+  if gemv_xa and with_lora and _xa_in_gemv(x_BxTxK, {"w": w, "lora_a": a_KxRs}):
+    y, xa_f32 = base_matmul_xa(x_BxTxK, w, a_KxRs)
+    xa = xa_f32.astype(with_lora[0]["lora_b"].dtype)
+  else:
+    if with_lora:
+      xa = lora_xa(x_BxTxK, a_KxRs, with_lora[0]["lora_b"])
+    if fused and not (with_lora and with_lora[0]["lora_b"].dtype != x_BxTxK.dtype):
+      lora = (xa, merged["lora_b"], lora_scale) if with_lora else None
+      return jnp.split(base_matmul(x_BxTxK, w, bias=merged.get("b"), lora=lora), np.cumsum(widths)[:-1], axis=-1)
+    y = base_matmul(x_BxTxK, w)
+  xas = iter(jnp.split(xa, np.cumsum([p["lora_a"].shape[-1] for p in with_lora]), axis=-1) if with_lora else [])
+  return [_add_terms(y_p, p, next(xas) if p.get("lora_a") is not None else None, lora_scale)
+          for y_p, p in zip(jnp.split(y, np.cumsum(widths)[:-1], axis=-1), ps)]
+
+
 def linears(x_BxTxK: jax.Array, ps: Sequence[dict[str, Any]], lora_scale: float, fused: bool = False,
-            gemv_xa: bool = False, a_KxRs: jax.Array | None = None) -> list:
+            gemv_xa: bool = False, a_KxRs: jax.Array | None = None, merged: dict[str, Any] | None = None) -> list:
   """`linear` for several projections of the same input (q/k/v, gate/up), their adapters' x @ A as one matmul.
 
   At one decode row XLA runs each x @ A as its own small reduction kernel (7B, batch 1, 3c549d8: 196 per
@@ -234,7 +265,10 @@ def linears(x_BxTxK: jax.Array, ps: Sequence[dict[str, Any]], lora_scale: float,
   gemv_xa (`linear`): at decode rows on NVFP4 weights each projection's gemv computes its own x @ A instead.
   a_KxRs: ``shared_lora_a(ps)`` made ahead (the rollout makes it once, before its decode loop: XLA does not
   hoist the concatenation out of the loop, and on an H200 it ran as two ~1.7 us kernels per layer and token).
+  merged: the group's merged weight (`merged_linears`), one launch for all of ``ps``.
   """
+  if merged is not None:
+    return merged_linears(x_BxTxK, ps, merged, lora_scale, fused, gemv_xa)
   with_lora = [p for p in ps if p.get("lora_a") is not None]
   if gemv_xa and with_lora and all(_xa_in_gemv(x_BxTxK, p) for p in with_lora):
     return [linear(x_BxTxK, p, lora_scale, gemv_xa=True) for p in ps]

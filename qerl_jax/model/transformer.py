@@ -74,7 +74,9 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
   gemv_xa = config.gemv_lora_xa
   h = attn.rms_norm(x_BxTxD, p["input_layernorm"], eps, noise.get("input_layernorm"))
   shared_a = p.get("shared_lora_a", {})  # made once per rollout by `unstack_layers`, else in `linears`
-  q, k, v = linears(h, [p["q_proj"], p["k_proj"], p["v_proj"]], lora_scale, fused, gemv_xa, shared_a.get("qkv"))
+  merged = p.get("merged", {})  # made once per rollout by `with_merged_launches`
+  q, k, v = linears(h, [p["q_proj"], p["k_proj"], p["v_proj"]], lora_scale, fused, gemv_xa, shared_a.get("qkv"),
+                    merged.get("qkv"))
   q = q.reshape(b, t, config.num_heads, config.head_dim)
   k, v = (y.reshape(b, t, config.num_kv_heads, config.head_dim) for y in (k, v))
   if config.qk_norm:
@@ -109,7 +111,8 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
   x_BxTxD = x_BxTxD + linear(o, p["o_proj"], lora_scale, fused, gemv_xa=gemv_xa)
   h = attn.rms_norm(x_BxTxD, p["post_attention_layernorm"], eps, noise.get("post_attention_layernorm"))
   g, u = (y.astype(jnp.float32)
-          for y in linears(h, [p["gate_proj"], p["up_proj"]], lora_scale, fused, gemv_xa, shared_a.get("gate_up")))
+          for y in linears(h, [p["gate_proj"], p["up_proj"]], lora_scale, fused, gemv_xa, shared_a.get("gate_up"),
+                           merged.get("gate_up")))
   m = (jax.nn.silu(g) * u).astype(x_BxTxD.dtype)
   x_BxTxD = x_BxTxD + linear(m, p["down_proj"], lora_scale, fused, gemv_xa=gemv_xa)
   return x_BxTxD, kv
@@ -270,6 +273,82 @@ def with_dequantized_base(params: dict[str, Any], dtype) -> dict[str, Any]:
   if isinstance(layers, dict):
     return {**params, "layers": {name: dense(p, True) for name, p in layers.items()}}
   return {**params, "layers": [{name: dense(p, False) for name, p in layer.items()} for layer in layers]}
+
+
+def with_merged_launches(params: dict[str, Any], groups: tuple[str, ...]) -> dict[str, Any]:
+  """Per-layer `params` (`unstack_layers`) with p["merged"][group] for each of ``groups`` whose projections are
+  all NVFP4 (`linear.merged_linears`, ModelConfig.rollout_merged_launches).
+
+  The group's stacks are concatenated along N once (a copy of their packed weights and block scales, with the
+  first projection's global scale, which the group shares: `check_shared_global_scales`); each layer gets
+  `LayerOf` of it, its biases concatenated, and its adapters' A's concatenated and B's block-diagonal (both
+  padded with zeros to a power-of-two rank).
+  """
+  layers = params["layers"]
+  if not isinstance(layers, (list, tuple)):
+    raise ValueError("with_merged_launches takes per-layer params (unstack_layers)")
+  stacks = {}
+  for group in groups:
+    ws = [layers[0][name]["w"] for name in SHARED_INPUT[group]]
+    if all(isinstance(w, LayerOf) for w in ws):  # NVFP4 read in place (a dense rollout_base_dtype copy: left)
+      qs = [w.stacked for w in ws]
+      stacks[group] = NVFP4Tensor(jnp.concatenate([q.packed_NxKh for q in qs], axis=-2),
+                                  jnp.concatenate([q.scale_NxKb for q in qs], axis=-2), qs[0].global_scale)
+  out = []
+  for index, p in enumerate(layers):
+    merged = {group: _merged_group([p[name] for name in SHARED_INPUT[group]], stack, index)
+              for group, stack in stacks.items()}
+    out.append({**p, "merged": merged})
+  return {**params, "layers": out}
+
+
+def _merged_group(ps: list[dict[str, Any]], stack: NVFP4Tensor, layer: int) -> dict[str, Any]:
+  """One layer's merged weight, bias, A's and block-diagonal B's for `linear.merged_linears`."""
+  widths = [p["w"].stacked.shape[1] for p in ps]
+  biases = [p.get("b") for p in ps]
+  out = {"w": LayerOf(stack, layer), "b": None, "lora_a": None, "lora_b": None}
+  present = [b for b in biases if b is not None]
+  if present:
+    out["b"] = jnp.concatenate([b if b is not None else jnp.zeros((n,), present[0].dtype)
+                                for b, n in zip(biases, widths)])
+  with_lora = [(i, p) for i, p in enumerate(ps) if p.get("lora_a") is not None]
+  if with_lora:
+    # Zero columns up to a power of two: the gemv computes x @ A in its launch only for such ranks (q|k|v at
+    # rank 16 is 48 -> 64); the extra columns of x @ A are zeros that meet zero rows of B.
+    rank = sum(p["lora_a"].shape[-1] for _, p in with_lora)
+    padded = 1 << (rank - 1).bit_length()
+    a = jnp.concatenate([p["lora_a"] for _, p in with_lora], axis=-1)
+    out["lora_a"] = jnp.pad(a, ((0, 0), (0, padded - rank)))
+    starts = np.concatenate([[0], np.cumsum(widths)])
+    b_RxN = jnp.zeros((padded, sum(widths)), with_lora[0][1]["lora_b"].dtype)
+    row = 0
+    for i, p in with_lora:
+      r = p["lora_b"].shape[0]
+      b_RxN = b_RxN.at[row:row + r, starts[i]:starts[i + 1]].set(p["lora_b"])
+      row += r
+    out["lora_b"] = b_RxN
+  return out
+
+
+def check_shared_global_scales(params: dict[str, Any], groups: tuple[str, ...]) -> None:
+  """Raises unless every NVFP4 group in ``groups`` has one global scale per layer (what a merged launch uses).
+
+  Stacked params, checked where they are concrete (the rollout calls this before it traces; under an outer
+  trace there is nothing to read, and nothing is checked)."""
+  layers = params["layers"]
+  for group in groups:
+    ws = [layers[name]["w"] for name in SHARED_INPUT[group] if isinstance(layers.get(name), dict)]
+    if len(ws) != len(SHARED_INPUT[group]) or not all(isinstance(w, NVFP4Tensor) for w in ws):
+      continue
+    try:  # compared on the device: a replicated bool, readable on every host of a mesh
+      bad = [name for name, w in zip(SHARED_INPUT[group], ws) if not bool(jnp.array_equal(w.global_scale,
+                                                                                          ws[0].global_scale))]
+    except jax.errors.ConcretizationTypeError:
+      return
+    if bad:
+      raise ValueError(f"model.rollout_merged_launches has {group!r}, but {bad} have global scales other than "
+                       f"{SHARED_INPUT[group][0]}'s, so one launch cannot dequantize them: drop {group!r} from "
+                       "it (or quantize the group with one shared global scale, as this project's quantizer does)")
 
 
 def _with_shared_a(p: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from qerl_jax.model import init_cache
-from qerl_jax.model.transformer import forward, unstack_layers, with_adapter_dtype, with_dequantized_base
+from qerl_jax.model.transformer import (check_shared_global_scales, forward, unstack_layers, with_adapter_dtype,
+                                        with_dequantized_base, with_merged_launches)
 from qerl_jax.rollout.sampling import SamplingParams, sample
 
 # Incremented each time the decode program is traced: the tests assert one trace per bucket.
@@ -45,29 +46,49 @@ def prompt_positions(valid_BxP: jax.Array) -> jax.Array:
   return jnp.maximum(jnp.cumsum(valid_BxP.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-@functools.partial(
-  jax.jit, static_argnames=("graphdef", "sampling", "max_new_tokens", "stop_ids", "pad_id"))
+def rollout_params(params, config):
+  """The model's params as the decode loop takes them, made once per rollout before it: the adapters in
+  `rollout_lora_dtype`, per-layer buffers (`decode_layers="unrolled"`), the base in `rollout_base_dtype`, and
+  the merged launches of `rollout_merged_launches` (ModelConfig)."""
+  if config.rollout_lora_dtype:
+    params = with_adapter_dtype(params, config.rollout_lora_dtype)
+  if config.decode_layers == "unrolled":  # one copy per rollout, not a slice (copy) of each stack per token
+    params = unstack_layers(params)
+  if config.rollout_base_dtype:  # layer by layer
+    params = with_dequantized_base(params, config.rollout_base_dtype)
+  if config.rollout_merged_launches:
+    params = with_merged_launches(params, config.rollout_merged_launches)
+  return params
+
+
 def rollout(graphdef, state, prompt_BxP, valid_BxP, key, norm_noise=None, *, sampling: SamplingParams,
             max_new_tokens: int, stop_ids: tuple[int, ...], pad_id: int = 0) -> RolloutBatch:
-  """Samples `max_new_tokens` (or until a stop id) after each left-padded prompt row.
+  """Samples `max_new_tokens` (or until a stop id) after each left-padded prompt row (one jitted program).
 
   graphdef, state: `nnx.split(model)`. prompt_BxP: int32 ids, padding on the left; valid_BxP: bool, False
   on padding. key: this rollout's PRNG key (the token at step i uses fold_in(key, i)). norm_noise: the AQN
-  additions to the RMSNorm scales for this rollout, or None.
+  additions to the RMSNorm scales for this rollout, or None. With `rollout_merged_launches` the groups'
+  global scales are checked first, where the state is concrete (not under an outer trace).
   """
+  model = nnx.merge(graphdef, state)
+  groups = model.config.rollout_merged_launches
+  if groups:
+    check_shared_global_scales(model.params(), groups)
+  return _rollout(graphdef, state, prompt_BxP, valid_BxP, key, norm_noise, sampling=sampling,
+                  max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id)
+
+
+@functools.partial(
+  jax.jit, static_argnames=("graphdef", "sampling", "max_new_tokens", "stop_ids", "pad_id"))
+def _rollout(graphdef, state, prompt_BxP, valid_BxP, key, norm_noise=None, *, sampling: SamplingParams,
+             max_new_tokens: int, stop_ids: tuple[int, ...], pad_id: int = 0) -> RolloutBatch:
   TRACE_COUNT["rollout"] += 1
   model = nnx.merge(graphdef, state)
   config = model.config
   batch, prompt_len = prompt_BxP.shape
   cache_len = prompt_len + max_new_tokens
-  params = model.params()
-  if config.rollout_lora_dtype:  # once per rollout, before the loop (ModelConfig.rollout_lora_dtype)
-    params = with_adapter_dtype(params, config.rollout_lora_dtype)
+  params = rollout_params(model.params(), config)
   per_layer = config.decode_layers == "unrolled"
-  if per_layer:  # one copy per rollout instead of a slice (copy) of each stacked array per token
-    params = unstack_layers(params)
-  if config.rollout_base_dtype:  # once per rollout, layer by layer (ModelConfig.rollout_base_dtype)
-    params = with_dequantized_base(params, config.rollout_base_dtype)
   fwd = functools.partial(forward, params, config, model.lora_scale, norm_noise=norm_noise)
   cache = init_cache(config, batch, cache_len, config.dtype, per_layer=per_layer)
   valid_BxS = jnp.concatenate([valid_BxP, jnp.ones((batch, max_new_tokens), bool)], axis=1)
