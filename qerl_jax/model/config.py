@@ -101,7 +101,8 @@ class ModelConfig:
   rollout_base_dtype: str = ""
   # NVFP4 projection groups that share an input ("qkv", "gate_up") run as one matmul launch inside a rollout:
   # their weights are concatenated along N once per rollout, before the decode loop, into a copy that lives
-  # for that rollout (the planner counts it; 7B: ~2.1 GB for both groups), as vLLM merges them at load time.
+  # for that rollout (the planner counts it: 2.4 GB for both groups at 7B, 11.5 at 32B), as vLLM merges them
+  # at load time.
   # The model launches q, k, v and gate, up separately; on an H200 at 4064ae3 (7B, 128 rows) gate and up each
   # ran 148 column tiles in 1.12 rounds of programs, 82.6 us per call, where the merged 3584x37888 weight took
   # 152.1 (3203742). Predicted: -16 us per layer at 128 rows (3.6% of the step), -4 to -5 at 1 row; untimed in
