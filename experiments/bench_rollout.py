@@ -122,7 +122,7 @@ def run_one(args):
   config = model_config(args.model).replace(decode_attention=args.decode_attention, decode_layers=args.decode_layers,
                                             fused_lora=args.fused_lora, gemv_lora_xa=args.gemv_lora_xa,
                                             rollout_base_dtype=args.rollout_base_dtype,
-                                            rollout_merged_launches=merged_groups(args))
+                                            rollout_merged_launches=merged_groups(args.merged_launches, args.quant))
   base = synthetic_base(config, args.quant)
   lora = LoraConfig(rank=16, alpha=16, dtype=jnp.bfloat16)
   model = Transformer(config, base, lora=lora, rngs=nnx.Rngs(0))
@@ -171,12 +171,12 @@ def _time_rollout(args, config, graphdef, state, weight_bytes, bw, batch):
               device=jax.devices()[0].device_kind, jax=jax.__version__,
               decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora,
               gemv_lora_xa=args.gemv_lora_xa, rollout_base_dtype=args.rollout_base_dtype,
-              rollout_merged_launches=",".join(merged_groups(args)), xla_flags=os.environ.get("XLA_FLAGS", ""))
+              rollout_merged_launches=",".join(merged_groups(args.merged_launches, args.quant)), xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
-def merged_groups(args) -> tuple[str, ...]:
+def merged_groups(spec: str, quant: str) -> tuple[str, ...]:
   """--merged-launches as ModelConfig.rollout_merged_launches (NVFP4 only: a bf16 base has nothing to merge)."""
-  return tuple(g for g in args.merged_launches.split(",") if g) if args.quant == "nvfp4" else ()
+  return tuple(g for g in spec.split(",") if g) if quant == "nvfp4" else ()
 
 
 def run_hf(args):

@@ -26,7 +26,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from experiments.bench_rollout import QWEN25, model_config, synthetic_base  # noqa: E402
+from experiments.bench_rollout import QWEN25, merged_groups, model_config, synthetic_base  # noqa: E402
 from experiments.provenance import commit  # noqa: E402
 
 
@@ -164,7 +164,6 @@ def run(args):
   from qerl_jax.rollout.sampling import SamplingParams
 
   records = []
-  merged = tuple(g for g in args.merged_launches.split(",") if g)
   for quant in args.quants:
     base = synthetic_base(model_config(args.model), quant)
     variants = [(a, l, f) for l in args.decode_layers for a in args.decode_attention
@@ -173,7 +172,7 @@ def run(args):
       config = model_config(args.model).replace(decode_attention=attention, decode_layers=layers,
                                                 fused_lora=epilogue.startswith("fused"),
                                                 gemv_lora_xa=epilogue.endswith("gemv-xa"),
-                                                rollout_merged_launches=merged if quant == "nvfp4" else ())
+                                                rollout_merged_launches=merged_groups(args.merged_launches, quant))
       lora = LoraConfig(rank=16, alpha=16, dtype=jnp.dtype(args.lora_dtype))
       model = Transformer(config, base, lora=lora, rngs=nnx.Rngs(0))
       gs = nnx.split(model)

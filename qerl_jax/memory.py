@@ -190,10 +190,13 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
     dense_copy = {name: {"w": jax.ShapeDtypeStruct((cfg.num_layers, *shapes[name]), cfg.rollout_base_dtype)}
                   for name, p in abstract["layers"].items() if isinstance(p, dict) and is_quantized(p.get("w"))}
     base_copy = _tree_bytes({"layers": dense_copy}, "frozen", sizes)
-  # ModelConfig.rollout_merged_launches: a copy of each merged group's NVFP4 weights (not of a dense copy's).
-  merged = {name: {"w": abstract["layers"][name]["w"]} for group in cfg.rollout_merged_launches
-            for name in SHARED_INPUT[group] if not cfg.rollout_base_dtype
-            and all(isinstance(abstract["layers"][n]["w"], NVFP4Tensor) for n in SHARED_INPUT[group])}
+  # ModelConfig.rollout_merged_launches: a copy of each merged group's NVFP4 weights (nothing to merge in the
+  # dense copy of rollout_base_dtype, or in a group that is not all NVFP4).
+  merged = {}
+  for group in () if cfg.rollout_base_dtype else cfg.rollout_merged_launches:
+    ws = {name: abstract["layers"][name]["w"] for name in SHARED_INPUT[group]}
+    if all(isinstance(w, NVFP4Tensor) for w in ws.values()):
+      merged.update({name: {"w": w} for name, w in ws.items()})
   merged_copy = _tree_bytes({"layers": merged}, "frozen", sizes)
   lora_f32 = lora * 4 // lora_it if lora_it != 4 else lora
   optimizer = 2 * lora

@@ -310,10 +310,9 @@ def test_bench_rollout_takes_a_lone_flag_set(argv, flag_sets):
 
 
 def test_bench_rollout_merged_launches_reach_the_nvfp4_config_only():
-  import argparse
   from experiments.bench_rollout import merged_groups, parse_args
   args = parse_args(["--merged-launches", "qkv,gate_up"])
   assert args.merged_launches == "qkv,gate_up"
-  assert merged_groups(argparse.Namespace(merged_launches="qkv,gate_up", quant="nvfp4")) == ("qkv", "gate_up")
-  assert merged_groups(argparse.Namespace(merged_launches="qkv", quant="bf16")) == ()
-  assert merged_groups(argparse.Namespace(merged_launches="", quant="nvfp4")) == ()
+  assert merged_groups(args.merged_launches, "nvfp4") == ("qkv", "gate_up")
+  assert merged_groups("qkv", "bf16") == ()
+  assert merged_groups("", "nvfp4") == ()
