@@ -171,7 +171,8 @@ def _time_rollout(args, config, graphdef, state, weight_bytes, bw, batch):
               device=jax.devices()[0].device_kind, jax=jax.__version__,
               decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora,
               gemv_lora_xa=args.gemv_lora_xa, rollout_base_dtype=args.rollout_base_dtype,
-              rollout_merged_launches=",".join(merged_groups(args.merged_launches, args.quant)), xla_flags=os.environ.get("XLA_FLAGS", ""))
+              rollout_merged_launches=",".join(config.rollout_merged_launches),
+              xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
 def merged_groups(spec: str, quant: str) -> tuple[str, ...]:
