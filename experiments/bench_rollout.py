@@ -171,13 +171,15 @@ def _time_rollout(args, config, graphdef, state, weight_bytes, bw, batch):
               device=jax.devices()[0].device_kind, jax=jax.__version__,
               decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora,
               gemv_lora_xa=args.gemv_lora_xa, rollout_base_dtype=args.rollout_base_dtype,
-              rollout_merged_launches=",".join(config.rollout_merged_launches),
+              rollout_merged_launches=",".join(config.merged_launch_groups),
               xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
-def merged_groups(spec: str, quant: str) -> tuple[str, ...]:
-  """--merged-launches as ModelConfig.rollout_merged_launches (NVFP4 only: a bf16 base has nothing to merge)."""
-  return tuple(g for g in spec.split(",") if g) if quant == "nvfp4" else ()
+def merged_groups(spec: str, quant: str) -> tuple[str, ...] | None:
+  """--merged-launches as ModelConfig.rollout_merged_launches ("auto" -> None, the default; "none" -> ()), and
+  () for a bf16 base, which has nothing to merge."""
+  from qerl_jax.model.config import parse_merged_launches
+  return parse_merged_launches(spec) if quant == "nvfp4" else ()
 
 
 def run_hf(args):
@@ -279,9 +281,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--rollout-base-dtype", default="", choices=["", "bfloat16"],
                  help="NVFP4: dequantize the base once per rollout into a bf16 copy "
                       "(ModelConfig.rollout_base_dtype; '' = the fused kernels, the default)")
-  p.add_argument("--merged-launches", default="", metavar="GROUPS",
+  p.add_argument("--merged-launches", default="auto", metavar="GROUPS",
                  help="NVFP4: comma-separated groups (qkv, gate_up) run as one launch over a weight merged once "
-                      "per rollout (ModelConfig.rollout_merged_launches; '' = one launch per projection)")
+                      "per rollout (ModelConfig.rollout_merged_launches; auto = both, the default; none = one "
+                      "launch per projection)")
   p.add_argument("--xla-flag-sets", default="", metavar="SETS",
                  help="'|'-separated sets of XLA flags, one run of everything per set, each added to XLA_FLAGS "
                       "and recorded as xla_flags; e.g. '|--xla_gpu_enable_command_buffer=FUSION,CUBLAS,WHILE' "

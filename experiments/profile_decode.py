@@ -197,7 +197,7 @@ def run(args):
         kernel_ms = sum(totals.values()) / 1e3 / args.steps
         rec = dict(model=args.model, quant=quant, batch=batch, decode_attention=attention, decode_layers=layers,
                    fused_lora=config.fused_lora, gemv_lora_xa=config.gemv_lora_xa, lora_dtype=args.lora_dtype,
-                   rollout_merged_launches=",".join(config.rollout_merged_launches), steps=args.steps,
+                   rollout_merged_launches=",".join(config.merged_launch_groups), steps=args.steps,
                    cache_len=args.cache_len, start=args.start, ms_per_step=ms_step, kernel_ms_per_step=kernel_ms,
                    span_ms_per_step=span / 1e3 / args.steps,
                    kernels_us_per_step={k: v / args.steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
@@ -238,9 +238,9 @@ def main():
                  help="NVFP4: bias and LoRA added by XLA after the matmul, fused into the kernels' epilogue, "
                       "(gemv-xa) x @ A computed in the gemv's launch at decode rows (ModelConfig.gemv_lora_xa), or "
                       "both (the gemv's x @ A at 1-2 rows, the fused epilogue elsewhere)")
-  p.add_argument("--merged-launches", default="", metavar="GROUPS",
+  p.add_argument("--merged-launches", default="auto", metavar="GROUPS",
                  help="NVFP4: comma-separated groups (qkv, gate_up) as one launch over a merged weight "
-                      "(ModelConfig.rollout_merged_launches)")
+                      "(ModelConfig.rollout_merged_launches; auto = both, the default; none = one per projection)")
   p.add_argument("--cache-len", type=int, default=1280)
   p.add_argument("--start", type=int, default=768, help="first cache slot written (mid-rollout)")
   p.add_argument("--steps", type=int, default=16)

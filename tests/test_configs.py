@@ -86,6 +86,7 @@ BAD = [
   ("aqn.targets", "input_layernorm,mlp", r"aqn.targets="),
   ("rollout.temperature", 0.0, r"rollout.temperature=0.0 must be > 0"),
   ("model.decode_layers", "loop", r"model.decode_layers='loop' must be 'unrolled' or 'scan'"),
+  ("model.rollout_merged_launches", "qkv,gate", r"model.rollout_merged_launches='qkv,gate' must be 'auto'"),
   ("rollout.top_p", 1.5, r"rollout.top_p=1.5"),
   ("train.loss_type", "ppo", r"train.loss_type='ppo'"),
   ("train.learning_rate", -1.0, r"train.learning_rate=-1.0"),
@@ -153,7 +154,25 @@ def test_paper_configs_fit_the_gpu_they_are_sized_for(name):
   c = _get(name)
   size = name[len("qwen"):]
   model = model_config(f"qwen2.5-{size}").replace(remat=c.model.remat, **runtime_choices(c))
-  plan = memory.plan_from_config(c, model)
+  plan, fitted = memory.plan_that_fits(c, model, None, int(TARGET_GPU[name]))  # as the trainer plans it
   memory.check_fits(plan, int(TARGET_GPU[name]))
+  # The default merged launches stay where their copy fits, and are given up only where it does not.
+  with_copy = memory.plan_from_config(c, model)
+  assert fitted.merged_launch_groups == (model.merged_launch_groups if memory.fits(with_copy, int(TARGET_GPU[name]))
+                                         else ())
   # ...and the rollout is the phase that decides, through the KV cache of its rows.
   assert plan.rollout_peak >= plan.update_peak and plan.kv_cache > plan.weights / 2
+
+
+def test_merged_launches_by_name_need_the_unrolled_loop_and_auto_reaches_the_model():
+  from qerl_jax.train.setup import runtime_choices
+  c = _get("qwen7b", "smoke")
+  assert runtime_choices(c)["rollout_merged_launches"] is None  # "auto", the default
+  c.model.rollout_merged_launches = "none"
+  assert runtime_choices(c)["rollout_merged_launches"] == ()
+  c.model.rollout_merged_launches = "qkv"
+  c.model.decode_layers = "scan"
+  with pytest.raises(ConfigError, match="model.rollout_merged_launches='qkv' needs model.decode_layers='unrolled'"):
+    validate_config(c)
+  c.model.rollout_merged_launches = "auto"  # the default merges nothing in the scan, and refuses nothing
+  validate_config(c)

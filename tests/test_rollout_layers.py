@@ -243,6 +243,7 @@ def test_merged_launches_give_the_separate_launches_logits_in_one_launch_per_gro
   for name in ("nvfp4_matmul", "nvfp4_matmul_xa", "xa_shares_launch"):
     monkeypatch.setattr(kernels, name, functools.partial(getattr(kernels, name), interpret=True))
   merged_cfg = config.replace(rollout_merged_launches=("qkv", "gate_up"))
+  config = config.replace(rollout_merged_launches=())  # one launch per projection
   params = model.params()
   separate = _decode_logits(params, config, model.lora_scale, tokens)
   merged = _decode_logits(params, merged_cfg, model.lora_scale, tokens)
@@ -259,6 +260,10 @@ def test_merged_launches_give_the_separate_launches_logits_in_one_launch_per_gro
   one_launch = "_shared_launch" if rows == 1 else "_nvfp4_matmul_jit"
   assert launches(config) == {"_shared_launch": 0, "_nvfp4_matmul_jit": 0, one_launch: 7 * config.num_layers}
   assert launches(merged_cfg) == {"_shared_launch": 0, "_nvfp4_matmul_jit": 0, one_launch: 4 * config.num_layers}
+  # The default (None) merges both groups.
+  default_cfg = config.replace(rollout_merged_launches=None)
+  assert default_cfg.merged_launch_groups == ("qkv", "gate_up")
+  assert launches(default_cfg) == launches(merged_cfg)
 
 
 def test_merged_launches_sample_the_same_tokens_and_refuse_unshared_global_scales():
@@ -294,3 +299,40 @@ def test_rollout_merged_launches_must_be_known_groups_of_the_unrolled_loop():
   with pytest.raises(ValueError, match="needs decode_layers='unrolled'"):
     tiny_config(rollout_merged_launches=("qkv",), decode_layers="scan")
   assert tiny_config(rollout_merged_launches=["qkv"]).rollout_merged_launches == ("qkv",)
+  with pytest.raises(ValueError, match="must be a tuple of groups"):
+    tiny_config(rollout_merged_launches="qkv")
+  # A config file's text (model.rollout_merged_launches) and bench flags.
+  from qerl_jax.model.config import parse_merged_launches
+  assert [parse_merged_launches(t) for t in ("auto", "none", "", "qkv, gate_up")] == [None, (), (), ("qkv", "gate_up")]
+  assert tiny_config(decode_layers="scan").merged_launch_groups == ()
+  assert tiny_config(rollout_base_dtype="bfloat16").merged_launch_groups == ()
+
+
+def test_the_default_merges_only_groups_with_one_global_scale(caplog):
+  # rollout_merged_launches=None (the default): a checkpoint whose gate and up have their own global scales
+  # is not refused; gate|up runs as two launches (with a warning), q|k|v still as one, and the tokens are the
+  # separate launches'. Under an outer trace the scales cannot be read, so the default merges nothing.
+  import logging
+  seed = fresh_seed()
+  config = tiny_config(rollout_merged_launches=None)
+  model = random_model(config, seed, quant="nvfp4")
+  up = model.layers.up_proj.weight
+  up.set_value(up.get_value().replace(global_scale=2 * up.get_value().global_scale))
+  graphdef, state = nnx.split(model)
+  with caplog.at_level(logging.WARNING, logger="qerl_jax.rollout.engine"):
+    kept, _ = engine.merged_launches(graphdef, state)
+  assert nnx.merge(kept, state).config.rollout_merged_launches == ("qkv",)
+  assert "['gate_up'] run one launch per projection" in caplog.text
+  outs = _rollouts_by(model, config, "rollout_merged_launches", (None, ()), np.random.default_rng(seed), (0, 2),
+                      jax.random.key(seed))
+  np.testing.assert_array_equal(outs[None].tokens_BxN, outs[()].tokens_BxN)
+  np.testing.assert_allclose(outs[None].logprobs_BxN, outs[()].logprobs_BxN, rtol=1e-5, atol=1e-5)
+  model.config = config
+  graphdef, state = nnx.split(model)
+  traced = []
+  jax.make_jaxpr(lambda s: traced.append(nnx.merge(*engine.merged_launches(graphdef, s)).config) or 0)(state)
+  assert traced[0].rollout_merged_launches == ()
+  # With one scale per group (the quantizer's), the default keeps both.
+  shared = random_model(config, seed, quant="nvfp4")
+  kept, _ = engine.merged_launches(*nnx.split(shared))
+  assert nnx.merge(kept, nnx.split(shared)[1]).config.merged_launch_groups == ("qkv", "gate_up")

@@ -102,13 +102,13 @@ class ModelConfig:
   # NVFP4 projection groups that share an input ("qkv", "gate_up") run as one matmul launch inside a rollout:
   # their weights are concatenated along N once per rollout, before the decode loop, into a copy that lives
   # for that rollout (the planner counts it: 2.4 GB for both groups at 7B, 11.5 at 32B), as vLLM merges them
-  # at load time.
-  # The model launches q, k, v and gate, up separately; on an H200 at 4064ae3 (7B, 128 rows) gate and up each
-  # ran 148 column tiles in 1.12 rounds of programs, 82.6 us per call, where the merged 3584x37888 weight took
-  # 152.1 (3203742). Predicted: -16 us per layer at 128 rows (3.6% of the step), -4 to -5 at 1 row; untimed in
-  # the model, so off by default. Needs the group's shared global scale (this project's quantizer and
-  # llm-compressor write one per fused group; the rollout checks) and decode_layers="unrolled".
-  rollout_merged_launches: tuple[str, ...] = ()
+  # at load time. On an H200 at 173a23d (7B NVFP4, same call) this took the batch-1 rollout 286.3 -> 312.4
+  # tok/s, batch 8 1640.3 -> 1775.1, and the 128-row decode step 12.72 -> 11.92 ms.
+  # None (the default) merges both groups wherever they can be: an NVFP4 base read in place (not
+  # rollout_base_dtype's copy), decode_layers="unrolled", and one global scale per group (this project's
+  # quantizer and llm-compressor write one; a checkpoint without is rolled out one launch per projection, with
+  # a warning). A tuple asks for exactly those groups and refuses what cannot be merged; () merges nothing.
+  rollout_merged_launches: tuple[str, ...] | None = None
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None
@@ -141,6 +141,16 @@ class ModelConfig:
     if self.rollout_base_dtype not in ("", "bfloat16", "float16"):
       raise ValueError(f"rollout_base_dtype={self.rollout_base_dtype!r} must be '' (the stored base), "
                        "'bfloat16' or 'float16'")
+    if self.rollout_merged_launches is not None:
+      self._check_merged_launches()
+    rope_type = self.rope_scaling_dict.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+      raise ValueError(f"unsupported {rope_type=}; supported: {SUPPORTED_ROPE_TYPES}")
+
+  def _check_merged_launches(self):
+    if isinstance(self.rollout_merged_launches, str):  # "qkv" would otherwise become ("q", "k", "v")
+      raise ValueError(f"rollout_merged_launches={self.rollout_merged_launches!r} must be a tuple of groups "
+                       f"such as {MERGEABLE_GROUPS}, () or None (the default)")
     object.__setattr__(self, "rollout_merged_launches", tuple(self.rollout_merged_launches))
     unknown = [g for g in self.rollout_merged_launches if g not in MERGEABLE_GROUPS]
     if unknown:
@@ -149,13 +159,17 @@ class ModelConfig:
     if self.rollout_merged_launches and self.decode_layers != "unrolled":
       raise ValueError("rollout_merged_launches needs decode_layers='unrolled' (the merged weights are made "
                        "once per rollout, before the per-layer decode loop)")
-    rope_type = self.rope_scaling_dict.get("rope_type", "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-      raise ValueError(f"unsupported {rope_type=}; supported: {SUPPORTED_ROPE_TYPES}")
 
   @property
   def rope_scaling_dict(self) -> dict[str, Any]:
     return dict(self.rope_scaling)
+
+  @property
+  def merged_launch_groups(self) -> tuple[str, ...]:
+    """The groups a rollout merges (`rollout_merged_launches`; None: both where the layer loop allows it)."""
+    if self.rollout_merged_launches is not None:
+      return self.rollout_merged_launches
+    return MERGEABLE_GROUPS if self.decode_layers == "unrolled" and not self.rollout_base_dtype else ()
 
   @property
   def q_size(self) -> int:
@@ -294,6 +308,15 @@ class ModelConfig:
     if self.eos_token_ids:
       d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
     return d
+
+
+def parse_merged_launches(text: str) -> tuple[str, ...] | None:
+  """`rollout_merged_launches` from text (a config file's, a flag's): "auto" -> None (both groups where they
+  can be merged), "" or "none" -> (), "qkv,gate_up" -> ("qkv", "gate_up")."""
+  text = str(text).strip()
+  if text == "auto":
+    return None
+  return () if text in ("", "none") else tuple(g.strip() for g in text.split(","))
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[np.ndarray, float]:

@@ -277,10 +277,10 @@ def with_dequantized_base(params: dict[str, Any], dtype) -> dict[str, Any]:
 
 def with_merged_launches(params: dict[str, Any], groups: tuple[str, ...]) -> dict[str, Any]:
   """Per-layer `params` (`unstack_layers`) with p["merged"][group] for each of ``groups`` whose projections are
-  all NVFP4 (`linear.merged_linears`, ModelConfig.rollout_merged_launches).
+  all NVFP4 (`linear.merged_linears`, ModelConfig.merged_launch_groups).
 
   The group's stacks are concatenated along N once (a copy of their packed weights and block scales, with the
-  first projection's global scale, which the group shares: `check_shared_global_scales`); each layer gets
+  first projection's global scale, which the group shares: `unshared_global_scales`); each layer gets
   `LayerOf` of it, its biases concatenated, and its adapters' A's concatenated and B's block-diagonal (both
   padded with zeros to a power-of-two rank).
   """
@@ -330,25 +330,26 @@ def _merged_group(ps: list[dict[str, Any]], stack: NVFP4Tensor, layer: int) -> d
   return out
 
 
-def check_shared_global_scales(params: dict[str, Any], groups: tuple[str, ...]) -> None:
-  """Raises unless every NVFP4 group in ``groups`` has one global scale per layer (what a merged launch uses).
+def unshared_global_scales(params: dict[str, Any], groups: tuple[str, ...]) -> dict[str, list[str]] | None:
+  """{group: projections whose global scale differs from the group's first}, for each NVFP4 group of ``groups``
+  that a merged launch could not dequantize; None where the params are not concrete (under an outer trace).
 
-  Stacked params, checked where they are concrete (the rollout calls this before it traces; under an outer
-  trace there is nothing to read, and nothing is checked)."""
+  Stacked params: one global scale per layer, compared on the device (a replicated bool, readable on every
+  host of a mesh)."""
   layers = params["layers"]
+  out = {}
   for group in groups:
-    ws = [layers[name]["w"] for name in SHARED_INPUT[group] if isinstance(layers.get(name), dict)]
-    if len(ws) != len(SHARED_INPUT[group]) or not all(isinstance(w, NVFP4Tensor) for w in ws):
+    names = SHARED_INPUT[group]
+    ws = [layers[name]["w"] for name in names if isinstance(layers.get(name), dict)]
+    if len(ws) != len(names) or not all(isinstance(w, NVFP4Tensor) for w in ws):
       continue
-    try:  # compared on the device: a replicated bool, readable on every host of a mesh
-      bad = [name for name, w in zip(SHARED_INPUT[group], ws) if not bool(jnp.array_equal(w.global_scale,
-                                                                                          ws[0].global_scale))]
+    try:
+      bad = [name for name, w in zip(names, ws) if not bool(jnp.array_equal(w.global_scale, ws[0].global_scale))]
     except jax.errors.ConcretizationTypeError:
-      return
+      return None
     if bad:
-      raise ValueError(f"model.rollout_merged_launches has {group!r}, but {bad} have global scales other than "
-                       f"{SHARED_INPUT[group][0]}'s, so one launch cannot dequantize them: drop {group!r} from "
-                       "it (or quantize the group with one shared global scale, as this project's quantizer does)")
+      out[group] = bad
+  return out
 
 
 def _with_shared_a(p: dict[str, Any]) -> dict[str, Any]:

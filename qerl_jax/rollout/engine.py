@@ -9,18 +9,21 @@ compiles a handful of programs. The trainer calls `rollout`; notebooks use `gene
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
 from qerl_jax.model import init_cache
-from qerl_jax.model.transformer import (check_shared_global_scales, forward, unstack_layers, with_adapter_dtype,
+from qerl_jax.model.transformer import (forward, unshared_global_scales, unstack_layers, with_adapter_dtype,
                                         with_dequantized_base, with_merged_launches)
 from qerl_jax.rollout.sampling import SamplingParams, sample
 
 # Incremented each time the decode program is traced: the tests assert one trace per bucket.
 TRACE_COUNT = {"rollout": 0}
+_log = logging.getLogger(__name__)
+_WARNED = set()  # the default's groups already reported as unmergeable
 
 
 @struct.dataclass
@@ -49,15 +52,15 @@ def prompt_positions(valid_BxP: jax.Array) -> jax.Array:
 def rollout_params(params, config):
   """The model's params as the decode loop takes them, made once per rollout before it: the adapters in
   `rollout_lora_dtype`, per-layer buffers (`decode_layers="unrolled"`), the base in `rollout_base_dtype`, and
-  the merged launches of `rollout_merged_launches` (ModelConfig)."""
+  the merged launches of `merged_launch_groups` (ModelConfig)."""
   if config.rollout_lora_dtype:
     params = with_adapter_dtype(params, config.rollout_lora_dtype)
   if config.decode_layers == "unrolled":  # one copy per rollout, not a slice (copy) of each stack per token
     params = unstack_layers(params)
   if config.rollout_base_dtype:  # layer by layer
     params = with_dequantized_base(params, config.rollout_base_dtype)
-  if config.rollout_merged_launches:
-    params = with_merged_launches(params, config.rollout_merged_launches)
+  if config.merged_launch_groups:
+    params = with_merged_launches(params, config.merged_launch_groups)
   return params
 
 
@@ -67,15 +70,40 @@ def rollout(graphdef, state, prompt_BxP, valid_BxP, key, norm_noise=None, *, sam
 
   graphdef, state: `nnx.split(model)`. prompt_BxP: int32 ids, padding on the left; valid_BxP: bool, False
   on padding. key: this rollout's PRNG key (the token at step i uses fold_in(key, i)). norm_noise: the AQN
-  additions to the RMSNorm scales for this rollout, or None. With `rollout_merged_launches` the groups'
-  global scales are checked first, where the state is concrete (not under an outer trace).
+  additions to the RMSNorm scales for this rollout, or None. The merged launches' global scales
+  (`merged_launch_groups`) are checked first, where the state is concrete (`merged_launches`).
   """
-  model = nnx.merge(graphdef, state)
-  groups = model.config.rollout_merged_launches
-  if groups:
-    check_shared_global_scales(model.params(), groups)
+  graphdef, state = merged_launches(graphdef, state)
   return _rollout(graphdef, state, prompt_BxP, valid_BxP, key, norm_noise, sampling=sampling,
                   max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id)
+
+
+def merged_launches(graphdef, state):
+  """(graphdef, state) whose config names only groups that one launch can dequantize (one global scale each).
+
+  Groups asked for by name (ModelConfig.rollout_merged_launches a tuple) that cannot be merged are refused;
+  the default's (None) are dropped, with a warning, and all of them under an outer trace, where the scales
+  cannot be read."""
+  model = nnx.merge(graphdef, state)
+  config = model.config
+  groups = config.merged_launch_groups
+  unshared = unshared_global_scales(model.params(), groups) if groups else {}
+  if unshared == {}:
+    return graphdef, state
+  if config.rollout_merged_launches is not None:  # asked for by name
+    group, bad = next(iter((unshared or {}).items()), (None, None))
+    if group is None:  # under an outer trace: nothing to check
+      return graphdef, state
+    raise ValueError(f"model.rollout_merged_launches has {group!r}, but {bad} have global scales other than "
+                     f"the group's first, so one launch cannot dequantize them: drop {group!r} from it (or "
+                     "quantize the group with one shared global scale, as this project's quantizer does)")
+  if unshared and tuple(unshared) not in _WARNED:
+    _WARNED.add(tuple(unshared))
+    _log.warning("rollout: %s run one launch per projection; their global scales differ: %s", list(unshared),
+                 unshared)
+  kept = tuple(g for g in groups if unshared is not None and g not in unshared)
+  model.config = config.replace(rollout_merged_launches=kept)
+  return nnx.split(model)
 
 
 @functools.partial(

@@ -17,6 +17,7 @@ from flax import nnx
 
 from qerl_jax import data as data_lib
 from qerl_jax.data.example import SYSTEM_PROMPT
+from qerl_jax.model.config import parse_merged_launches
 
 BUILTIN_SMOLLM2 = "builtin:smollm2"
 # The arithmetic eval set is drawn with this seed offset, so it never shares the training problems' stream.
@@ -114,7 +115,9 @@ def runtime_choices(config) -> dict:
   return dict(decode_layers=m.get("decode_layers", "unrolled"), fused_lora=bool(m.get("fused_lora", True)),
               gemv_lora_xa=bool(m.get("gemv_lora_xa", True)),
               rollout_lora_dtype=str(m.get("rollout_lora_dtype", "")),
-              rollout_base_dtype=str(m.get("rollout_base_dtype", "")))
+              rollout_base_dtype=str(m.get("rollout_base_dtype", "")),
+              rollout_merged_launches=parse_merged_launches(m.get("rollout_merged_launches", "auto")))
+
 
 
 def _build_model(config, mesh):

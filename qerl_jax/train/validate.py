@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 
+from qerl_jax.model.config import MERGEABLE_GROUPS, parse_merged_launches
 from qerl_jax.rl import LOSS_TYPES
 from qerl_jax.rl.aqn import DEFAULT_TARGETS, SCHEDULES, sigma_per_stage
 from qerl_jax.train.setup import BUILTIN_SMOLLM2, EVAL_DATASETS, TRAIN_DATASETS
@@ -57,6 +58,12 @@ def validate_config(config) -> None:
   _need(m.lora_alpha > 0, f"model.lora_alpha={m.lora_alpha} must be > 0")
   _need(m.get("decode_layers", "unrolled") in ("unrolled", "scan"),
         f"model.decode_layers={m.get('decode_layers')!r} must be 'unrolled' or 'scan'")
+  merged = parse_merged_launches(m.get("rollout_merged_launches", "auto"))
+  _need(merged is None or set(merged) <= set(MERGEABLE_GROUPS),
+        f"model.rollout_merged_launches={m.get('rollout_merged_launches')!r} must be 'auto', 'none' or "
+        f"comma-separated groups of {MERGEABLE_GROUPS}")
+  _need(not merged or m.get("decode_layers", "unrolled") == "unrolled",
+        f"model.rollout_merged_launches={m.get('rollout_merged_launches')!r} needs model.decode_layers='unrolled'")
   if m.random.model_type:
     _need(m.random.model_type in ("llama", "qwen2", "qwen3"),
           f"model.random.model_type={m.random.model_type!r} must be llama, qwen2 or qwen3")
