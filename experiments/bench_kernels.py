@@ -221,9 +221,11 @@ def _kernel_op(direction, cfg, poison=False):
   return lambda a, w: fn(a, *w, config=cfg, poison=poison, interpret=_INTERPRET)
 
 
-def check(direction, cfg, a, w) -> float:
-  """Relative Frobenius error of the kernel (NaN-poisoned output) against a float32 reference."""
-  return _rel_err(direction, jax.jit(_kernel_op(direction, cfg, poison=True))(a, w), a, w)
+def _members(w, widths: tuple[int, ...]):
+  """One weight's (packed, scale, global scale) as a group's: tuples of its column ranges of these widths."""
+  packed, scale, gs = w
+  ends = np.cumsum(widths)[:-1]
+  return tuple(jnp.split(packed, ends)), tuple(jnp.split(scale, ends)), (gs,) * len(widths)
 
 
 def _rel_err(direction, out, a, w) -> float:
@@ -275,13 +277,18 @@ def add_device_us(records: list, module_us: dict[str, float], bw: float, launche
         r["device_speedup"] = round(per_call["bf16_device_us"] / per_call["device_us"], 3)
 
 
-def bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw, dtype=jnp.bfloat16):
-  """Checks and times one kernel config and (cached per shape) the bf16 dot; returns a record."""
+def bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw, dtype=jnp.bfloat16, widths=()):
+  """Checks and times one kernel config and (cached per shape) the bf16 dot; returns a record. widths: the
+  forward over the same weight as a group of members of these widths, each its own array, in one launch
+  (``kernels.Nvfp4Group``, the model's merged launches)."""
   ws, a = _case(direction, k, n, rows, key, dtype)
+  reference = ws[0]
+  if widths:
+    ws = [_members(w, widths) for w in ws]
   candidate = dataclasses.asdict(cfg)
   cfg = config_lib.fit(cfg, direction, rows, k, n, auto_split=cfg.split == 1)
   t0 = time.perf_counter()
-  err = check(direction, cfg, a, ws[0])
+  err = _rel_err(direction, jax.jit(_kernel_op(direction, cfg, poison=True))(a, ws[0]), a, reference)
   compile_s = time.perf_counter() - t0
   if not err < 1e-2:
     raise RuntimeError(f"{direction} k={k} n={n} rows={rows} {cfg}: relative error {err}")
@@ -299,7 +306,8 @@ def bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw, dtype=jnp.bfloat1
     del wb
   del ws
   return _record(direction, k, n, rows, timed, bf16_cache[bkey], bw, check_rel_err=float(f"{err:.3g}"),
-                 config=dataclasses.asdict(cfg), candidate=candidate, first_call_s=round(compile_s, 2))
+                 config=dataclasses.asdict(cfg), candidate=candidate, first_call_s=round(compile_s, 2),
+                 **({"group": list(widths)} if widths else {}))
 
 
 def bench_xla(direction, k, n, rows, key, bf16_cache, bw, dtype=jnp.bfloat16):
@@ -367,7 +375,8 @@ def _summary(records):
     dev = (f"{r.get('device_us', nan):>9.1f}{r.get('bf16_device_us', nan):>9.1f}{r.get('device_speedup', nan):>8.2f}"
            f"{r.get('device_roofline_frac', nan):>7.2f}") if traced else ""
     lines.append(f"{r['shape']:<18}{r['direction']:<5}{r['rows']:>6}{r['us']:>10.1f}{r['bf16_us']:>10.1f}"
-                 f"{r['speedup']:>8.2f}{r['roofline_frac']:>7.2f}{dev}  {c.get('engine', 'tensorcore')} "
+                 f"{r['speedup']:>8.2f}{r['roofline_frac']:>7.2f}{dev}  {'group ' if r.get('group') else ''}"
+                 f"{c.get('engine', 'tensorcore')} "
                  f"n{c['block_n']} k{c['block_k']} s{c['split']} w{c['num_warps']}")
   return "\n".join(lines)
 
@@ -403,6 +412,9 @@ def main(argv=None):
                       "candidates by it")
   p.add_argument("--mosaic", action="store_true",
                  help="also time the Mosaic GPU forward kernel (kernels/nvfp4_mgpu.py) candidates, same shape")
+  p.add_argument("--group", action="store_true",
+                 help="forward, qkv and gate_up: also time the tuned config over the layer's projections as one "
+                      "group launch (kernels.Nvfp4Group: q, k, v or gate, up read in place; implementation 'group')")
   p.add_argument("--decoders", default="",
                  help="comma-separated tile decoders to time on each tuned config, or with --sweep on each "
                       "candidate (e.g. jnp,halves,asm)")
@@ -437,7 +449,8 @@ def main(argv=None):
                 cands += [c for c in GEMV_CANDIDATES if not gemv_decoders or c.dequant in gemv_decoders]
             tag = dict(shape=f"qwen2.5-{model}.{layer}", commit=commit, device=device,
                        copy_tbps=round(bw / 1e12, 3))
-            case = _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag)
+            widths = group_widths(model, layer) if args.group and direction == "fwd" else ()
+            case = _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag, widths)
             for rec in case:
               f.write(json.dumps(rec) + "\n")
               print(json.dumps(rec), flush=True)
@@ -446,7 +459,7 @@ def main(argv=None):
             swept += kernels
             if kernels:
               records.append(min(kernels, key=_rank_us))
-            records += [r for r in case if r["implementation"] == "xla"]
+            records += [r for r in case if r["implementation"] in ("xla", "group")]
             mosaic = [r for r in case if r["implementation"] == "mosaic"]
             if mosaic:
               records.append(min(mosaic, key=_rank_us))
@@ -462,9 +475,17 @@ def _rank_us(r) -> float:
   return r.get("device_us", r["us"])
 
 
-def _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag) -> list:
-  """Times every candidate (and with --xla the XLA path) on one case; with --trace, each timed program then
-  runs once more inside one profiler trace, whose kernel time per program becomes each record's device_us."""
+def group_widths(model: str, layer: str) -> tuple[int, ...]:
+  """The widths of the projections a fused layer is made of (q, k, v or gate, up); () for the others."""
+  shapes = MODELS[model]
+  return {"qkv": (shapes["q"][1], shapes["kv"][1], shapes["kv"][1]),
+          "gate_up": (shapes["gate"][1],) * 2}.get(layer, ())
+
+
+def _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag, widths=()) -> list:
+  """Times every candidate (and with --xla the XLA path, with widths the first candidate as a group launch)
+  on one case; with --trace, each timed program then runs once more inside one profiler trace, whose kernel
+  time per program becomes each record's device_us."""
   if args.trace:
     bf16_cache = {}  # the bf16 dot's traced run belongs to this case
   case = []
@@ -487,6 +508,12 @@ def _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag) -> l
               f"{type(e).__name__}: {str(e)[:400]}", flush=True)
         continue
       case.append(dict(rec, **tag, implementation="mosaic", sweep="mosaic"))
+  if widths and cands:
+    try:
+      rec = bench_one(direction, k, n, rows, cands[0], key, bf16_cache, bw, widths=widths)
+      case.append(dict(rec, **tag, implementation="group", sweep=False))
+    except Exception as e:  # keep going
+      print(f"FAILED {tag['shape']} group {widths} rows={rows}: {type(e).__name__}: {str(e)[:400]}", flush=True)
   if args.xla:
     case.append(dict(bench_xla(direction, k, n, rows, key, bf16_cache, bw), **tag, implementation="xla",
                      sweep="xla"))

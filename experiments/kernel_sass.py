@@ -64,15 +64,21 @@ _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([.
 
 
 def triton_ir(direction: str, rows: int, k: int, n: int, cfg: config_lib.Nvfp4MatmulConfig, xa_rank: int = 0,
-              epilogue_rank: int = 0) -> str:
+              epilogue_rank: int = 0, group: tuple[int, ...] = ()) -> str:
   """The kernel's Triton IR as text Triton's own parser reads (jax's debug print, locations stripped).
   xa_rank: the gemv launch that also computes x @ A for a float32 adapter of this rank. epilogue_rank: the
-  forward with the fused epilogue (bias and a bf16 adapter of this rank: ``fused_lora``)."""
+  forward with the fused epilogue (bias and a bf16 adapter of this rank: ``fused_lora``). group: the forward
+  over a group of weights of these widths (summing to n) in one launch (``kernels.Nvfp4Group``)."""
   from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
 
-  packed = jax.ShapeDtypeStruct((n, k // 2), jnp.uint8)
-  scale = jax.ShapeDtypeStruct((n, k // 16), jnp.float8_e4m3fn)
-  gs = jax.ShapeDtypeStruct((), jnp.float32)
+  widths = group or (n,)
+  packed = tuple(jax.ShapeDtypeStruct((w, k // 2), jnp.uint8) for w in widths)
+  scale = tuple(jax.ShapeDtypeStruct((w, k // 16), jnp.float8_e4m3fn) for w in widths)
+  gs = tuple(jax.ShapeDtypeStruct((), jnp.float32) for _ in widths)
+  if not group:
+    packed, scale, gs = packed[0], scale[0], gs[0]
+  elif direction != "fwd" or sum(group) != n:
+    raise ValueError(f"a group is a forward over widths summing to N={n}, got {group} ({direction})")
   if direction == "fwd" and xa_rank:
     adapter = jnp.zeros((k, xa_rank), jnp.float32)
     f = lambda a, p, s, g: nvfp4_gemv.nvfp4_gemv_xa_pallas(a, p, s, g, adapter, config=cfg)
@@ -201,6 +207,9 @@ def main(argv=None):
                  help="tile forward: with the fused epilogue (bias and a bf16 adapter of this rank)")
   p.add_argument("--lora-xa", type=int, default=0, metavar="RANK",
                  help="gemv: the launch that also computes x @ A for an adapter of this rank (nvfp4_matmul_xa)")
+  p.add_argument("--group", default="", metavar="WIDTHS",
+                 help="forward: one launch over a group of weights of these widths, e.g. 3584,512,512 for the "
+                      "shape qkv (kernels.Nvfp4Group: a branch per member)")
   p.add_argument("--out", default="/tmp/kernel_sass")
   p.add_argument("--mosaic", default="", metavar="STAGES,TILE_K,DECODE,TILE_N",
                  help="on a GPU: the Mosaic GPU forward kernel with this config (e.g. 4,256,bits,64)")
@@ -231,9 +240,10 @@ def main(argv=None):
     if not cfg.half_products:
       raise SystemExit(f"--half needs the gemv engine and an e4m3-route decoder; the config is {cfg}")
   os.makedirs(args.out, exist_ok=True)
-  base = os.path.join(args.out, f"{args.shape}.{args.direction}.{args.rows}")
+  group = tuple(int(w) for w in args.group.split(",")) if args.group else ()
+  base = os.path.join(args.out, f"{args.shape}.{args.direction}.{args.rows}" + (".group" if group else ""))
   with open(base + ".ttir", "w") as f:
-    f.write(triton_ir(args.direction, args.rows, k, n, cfg, args.lora_xa, args.epilogue))
+    f.write(triton_ir(args.direction, args.rows, k, n, cfg, args.lora_xa, args.epilogue, group))
   out = compile_sm90(base + ".ttir", cfg.num_warps, cfg.num_stages)
   for ext in ("ttgir", "ptx", "sass"):
     with open(f"{base}.{ext}", "w") as f:
@@ -244,7 +254,8 @@ def main(argv=None):
   # Each trip of the K loop decodes a [block_n, block_k] weight tile (forward, backward and gemv alike),
   # spread over num_warps * 32 threads.
   per_thread = cfg.block_n * cfg.block_k / (cfg.num_warps * 32)
-  summary = dict(shape=args.shape, direction=args.direction, rows=args.rows, config=dataclasses.asdict(cfg),
+  summary = dict(shape=args.shape, direction=args.direction, rows=args.rows, group=group,
+                 config=dataclasses.asdict(cfg),
                  loop_instructions=length, outside_loop_instructions=total - length,
                  weights_per_thread_per_trip=per_thread,
                  instructions_per_weight=round(length / per_thread, 2), shared_bytes=out["shared_bytes"],

@@ -2,7 +2,7 @@
 
 from kernels.config import Nvfp4MatmulConfig, get_config, heuristic_config  # noqa: F401
 from kernels.nvfp4_matmul import (  # noqa: F401
-  IMPLEMENTATIONS, default_implementation, nvfp4_matmul, nvfp4_matmul_reference, xla_min_rows,
+  IMPLEMENTATIONS, Nvfp4Group, default_implementation, nvfp4_matmul, nvfp4_matmul_reference, xla_min_rows,
 )
 from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas  # noqa: F401
 from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas  # noqa: F401

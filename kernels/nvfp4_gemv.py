@@ -66,33 +66,42 @@ def half_x_powers(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
   return up, down
 
 
-def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n: int, rows: int, block_n: int,
+def nvfp4_gemv_kernel(x_ref, layer_ref, *refs, widths: tuple[int, ...], rows: int, block_n: int,
                       block_b: int, steps: int, split: int, dequant: str = "jnp",
                       epilogue: Epilogue = Epilogue(), prefetch: int = 0, xa: XaPlan | None = None,
                       half: bool = False):
   """One block_n slice of y for every row, over one split of the K blocks.
 
-  x_ref f32 [M, 2, K/16, 8]; layer_ref int32 [1];
-  packed_ref uint8 [L*N, K/16, 8]; scale_ref e4m3 [L*N, K/16]; gs_ref f32 [L] (rows layer*N .. layer*N + N
-  are this weight); rest: the epilogue's refs (``nvfp4_epilogue``), then o_ref [M, N] (x dtype) when split == 1,
-  else float32 partials [split, M, N].
+  x_ref f32 [M, 2, K/16, 8]; layer_ref int32 [1]; then per weight of ``widths`` (one, or a group's members
+  along N: ``nvfp4_tile.group_operands``) packed_ref uint8 [L*N, K/16, 8], scale_ref e4m3 [L*N, K/16], gs_ref
+  f32 [L] (rows layer*N .. layer*N + N are the weight); then the epilogue's refs (``nvfp4_epilogue``), then
+  o_ref [M, sum of N] (x dtype) when split == 1, else float32 partials [split, M, sum of N].
   steps: K trips of block_b NVFP4 blocks in all, cut into ``split`` ranges (``nvfp4_tile.split_range``).
   dequant "asm" decodes with inline PTX (GPU only); any other value with the e4m3 conversion.
   half: the e4m3-route codes, their products with x and each block's sum in float16, each row's x scaled into
   float16's range over this program's K range (``half_x_powers``; ``half_products``).
   prefetch: load the weights this many trips ahead (``k_loop``).
-  xa: also x @ A for a LoRA adapter (``XaPlan``): rest is then (*epilogue refs, a_ref, o_ref, xa_ref), and the
+  xa: also x @ A for a LoRA adapter (``XaPlan``): the refs end (*epilogue refs, a_ref, o_ref, xa_ref), and the
   first ``xa.columns`` columns of the grid compute it (``_lora_xa_partials``) while the others do the above.
   """
   # Program ids are read here, not inside the branches below: interpret mode does not resolve them there.
   pid_n, pid_s = pl.program_id(0), pl.program_id(1)
+  weights, rest = [refs[3 * i:3 * i + 3] for i in range(len(widths))], refs[3 * len(widths):]
   if xa is None:
     *epi_refs, o_ref = rest
-    _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_n, pid_s, n=n,
-                  rows=rows, block_n=block_n, block_b=block_b, steps=steps, split=split, dequant=dequant,
-                  epilogue=epilogue, prefetch=prefetch, half=half)
+  else:
+    *epi_refs, a_ref, o_ref, xa_ref = rest
+
+  def work(pid_w):  # column block pid_w of the weights (a group's members one after the other)
+    def member_block(member, pid_n, col_offset):
+      _weight_block(x_ref, layer_ref, *weights[member], epi_refs, o_ref, pid_n, pid_s, n=widths[member],
+                    col_offset=col_offset, rows=rows, block_n=block_n, block_b=block_b, steps=steps, split=split,
+                    dequant=dequant, epilogue=epilogue, prefetch=prefetch, half=half)
+    nvfp4_tile.for_member(pid_w, widths, block_n, member_block)
+
+  if xa is None:
+    work(pid_n)
     return
-  *epi_refs, a_ref, o_ref, xa_ref = rest
 
   @pl.when(pid_n < xa.columns)
   def _():
@@ -100,9 +109,7 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n:
 
   @pl.when(pid_n >= xa.columns)
   def _():
-    _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_n - xa.columns, pid_s, n=n,
-                  rows=rows, block_n=block_n, block_b=block_b, steps=steps, split=split, dequant=dequant,
-                  epilogue=epilogue, prefetch=prefetch, half=half)
+    work(pid_n - xa.columns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,13 +151,14 @@ def _lora_xa_partials(x_ref, a_ref, xa_ref, program, *, rows: int, plan: XaPlan)
 
 
 def _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_n, pid_s, *, n: int,
-                  rows: int, block_n: int, block_b: int, steps: int, split: int, dequant: str, epilogue: Epilogue,
-                  prefetch: int, half: bool = False):
-  """Column block ``pid_n`` of y over K split ``pid_s`` (``nvfp4_gemv_kernel``'s main work)."""
+                  col_offset: int, rows: int, block_n: int, block_b: int, steps: int, split: int, dequant: str,
+                  epilogue: Epilogue, prefetch: int, half: bool = False):
+  """Column block ``pid_n`` of one weight's y over K split ``pid_s`` (``nvfp4_gemv_kernel``'s main work), written
+  from output column ``col_offset`` on (a group member's place in y and in the epilogue's operands)."""
   layer = layer_ref[0]
   cols_N = pid_n * block_n + jnp.arange(block_n)
   col_mask = cols_N < n
-  cols = pl.ds(pid_n * block_n, block_n)
+  cols = pl.ds(col_offset + pid_n * block_n, block_n)
   w_rows = pl.ds(layer * n + pid_n * block_n, block_n)
   first, trips = nvfp4_tile.split_range(pid_s, steps, split)
 
@@ -245,7 +253,8 @@ def nvfp4_gemv_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.
                       layer=None, epilogue=([], Epilogue())) -> jax.Array:
   """Launches the few-row kernel; returns y [M, N] in x's dtype (config: block_n, block_k, split, warps).
 
-  The weight is one [N, K/2] tensor, or stacked [L, N, K/2] with ``layer`` picking one (read in place).
+  The weight is one [N, K/2] tensor, or stacked [L, N, K/2] with ``layer`` picking one (read in place), or
+  tuples of a group's members (``nvfp4_tile.group_operands``: y is [M, sum of their N]).
   epilogue: (operands, Epilogue) from ``nvfp4_epilogue.operands``.
   """
   return _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, config, interpret, poison, layer, epilogue)
@@ -256,25 +265,30 @@ def _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, cfg: Nvfp4MatmulConfig
   """The gemv launch: y, or with ``a_KxR`` (y, x @ A in float32) (``nvfp4_gemv_xa_pallas``)."""
   epi_ops, epi = epilogue
   m, k = x_MxK.shape
-  (layer_1, packed, scale, gs), n = nvfp4_tile.layer_operands(packed_NxKh, scale_NxKb, global_scale, layer)
+  (layer_1, *weights), widths = nvfp4_tile.group_operands(packed_NxKh, scale_NxKb, global_scale, layer)
+  n = sum(widths)
   if m > GEMV_MAX_ROWS:
     raise ValueError(f"the gemv kernel takes at most {GEMV_MAX_ROWS} rows, got {m}")
   if k % cfg.block_k or cfg.split > k // cfg.block_k:
     raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
   kb = k // 16
   plan = None if a_KxR is None else xa_plan(k, a_KxR.shape[1], a_KxR.dtype.itemsize, cfg.split)
-  kernel = functools.partial(nvfp4_gemv_kernel, n=n, rows=m, block_n=cfg.block_n, block_b=cfg.block_k // 16,
+  kernel = functools.partial(nvfp4_gemv_kernel, widths=widths, rows=m, block_n=cfg.block_n,
+                             block_b=cfg.block_k // 16,
                              steps=k // cfg.block_k, split=cfg.split,
                              dequant=nvfp4_tile.decoder(cfg.dequant, interpret), epilogue=epi,
                              prefetch=cfg.prefetch, xa=plan, half=cfg.half_products)
-  operands = [gemv_x_layout(x_MxK), layer_1, packed.reshape(packed.shape[0], kb, 8), scale, gs, *epi_ops]
+  for i in range(0, len(weights), 3):  # packed [L*N, K/2] as [L*N, K/16, 8]: one NVFP4 block per row
+    weights[i] = weights[i].reshape(weights[i].shape[0], kb, 8)
+  operands = [gemv_x_layout(x_MxK), layer_1, *weights, *epi_ops]
   extra_out, columns = (), 0
   if plan is not None:
     operands.append(a_KxR.reshape(kb, 8, 2 * plan.rank))  # row (b, j): A's rows 16b + 2j, then 16b + 2j + 1
     extra_out, columns = (jax.ShapeDtypeStruct((plan.programs, m, plan.rank), jnp.float32),), plan.columns
   out = nvfp4_tile.launch(kernel, operands, rows=m, cols=n, split=cfg.split,
                           dtype=x_MxK.dtype,
-                          grid=(columns + pl.cdiv(n, cfg.block_n), cfg.split), num_warps=cfg.num_warps,
+                          grid=(columns + nvfp4_tile.column_blocks(widths, cfg.block_n), cfg.split),
+                          num_warps=cfg.num_warps,
                           num_stages=cfg.num_stages, interpret=interpret, poison=poison,
                           name="nvfp4_gemv" if plan is None else "nvfp4_gemv_xa", extra_out=extra_out)
   if plan is None:

@@ -9,6 +9,7 @@ falls back to the XLA reference, so the model can call it everywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -27,15 +28,59 @@ IMPLEMENTATIONS = ("pallas", "triton", "xla")
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def nvfp4_matmul_reference(x: jax.Array, q: NVFP4Tensor) -> jax.Array:
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["members"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Nvfp4Group:
+  """NVFP4 weights of one input (q, k, v; gate, up) multiplied as x @ [W_1 | W_2 | ...] of logical shape
+  [K, sum of N], by one kernel launch that reads each member in place with its own global scale: nothing is
+  concatenated. Members are single weights, or stacks [L, ...] all taken at the same ``layer``. As vLLM's
+  merged layers, without their load-time copy."""
+
+  members: tuple[NVFP4Tensor, ...]
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return (self.members[0].shape[0], sum(q.shape[1] for q in self.members))
+
+  @property
+  def widths(self) -> tuple[int, ...]:
+    return tuple(q.shape[1] for q in self.members)
+
+
+def dequantize(q: NVFP4Tensor | Nvfp4Group, dtype) -> jax.Array:
+  """[K, N] (or [L, K, N]) in ``dtype``; a group's members side by side along N."""
+  if isinstance(q, Nvfp4Group):
+    return jnp.concatenate([quant.dequantize(m, dtype) for m in q.members], axis=-1)
+  return quant.dequantize(q, dtype)
+
+
+def kernel_operands(q: NVFP4Tensor | Nvfp4Group) -> tuple:
+  """(packed, scale, global_scale) as the kernels take them: arrays, or a group's tuples of its members'."""
+  if isinstance(q, Nvfp4Group):
+    return tuple(tuple(getattr(m, f) for m in q.members) for f in ("packed_NxKh", "scale_NxKb", "global_scale"))
+  return q.packed_NxKh, q.scale_NxKb, q.global_scale
+
+
+def is_stacked(q: NVFP4Tensor | Nvfp4Group) -> bool:
+  return (q.members[0] if isinstance(q, Nvfp4Group) else q).packed_NxKh.ndim == 3
+
+
+def nvfp4_matmul_reference(x: jax.Array, q: NVFP4Tensor | Nvfp4Group) -> jax.Array:
   """The XLA reference: dequantize to x's dtype, then a plain dot. x [..., K] -> [..., N]."""
-  return jnp.matmul(x, quant.dequantize(q, x.dtype))
+  return jnp.matmul(x, dequantize(q, x.dtype))
 
 
-def check_shapes(x_shape, x_dtype, q: NVFP4Tensor, layer=None) -> tuple[int, int]:
+def check_shapes(x_shape, x_dtype, q: NVFP4Tensor | Nvfp4Group, layer=None) -> tuple[int, int]:
   """Validates a call; returns (K, N). Raises ValueError naming the offending value."""
+  if isinstance(q, Nvfp4Group):
+    if not q.members:
+      raise ValueError("an Nvfp4Group needs at least one member")
+    ks, ns = zip(*(check_shapes(x_shape, x_dtype, m, layer) for m in q.members))
+    if len({m.packed_NxKh.shape[:-2] for m in q.members}) > 1:
+      raise ValueError(f"the group's members must be stacked alike: {[m.packed_NxKh.shape for m in q.members]}")
+    return ks[0], sum(ns)
   if not isinstance(q, NVFP4Tensor):
-    raise TypeError(f"q must be an NVFP4Tensor, got {type(q).__name__}")
+    raise TypeError(f"q must be an NVFP4Tensor or an Nvfp4Group, got {type(q).__name__}")
   want_ndim = 2 if layer is None else 3
   if q.packed_NxKh.ndim != want_ndim or q.scale_NxKb.ndim != want_ndim:
     what = "2-D (one weight)" if layer is None else "3-D (stacked [L, ...] weights, with layer=)"
@@ -107,7 +152,7 @@ def _zero_cotangent(a: jax.Array):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def _pallas_matmul_2d(x_MxK, q, layer, xa_MxR, b_RxN, bias_N, fwd_cfg, bwd_cfg, interpret, lora_scale):
-  return nvfp4_matmul_fwd_pallas(x_MxK, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=fwd_cfg,
+  return nvfp4_matmul_fwd_pallas(x_MxK, *kernel_operands(q), config=fwd_cfg,
                                  interpret=interpret, layer=layer, xa_MxR=xa_MxR, b_RxN=b_RxN, bias_N=bias_N,
                                  lora_scale=lora_scale)
 
@@ -119,8 +164,7 @@ def _pallas_matmul_2d_fwd(x_MxK, q, layer, xa_MxR, b_RxN, bias_N, fwd_cfg, bwd_c
 
 def _pallas_matmul_2d_bwd(fwd_cfg, bwd_cfg, interpret, lora_scale, res, dy_MxN):
   q, layer, xa_MxR, b_RxN, bias_N = res
-  dx_MxK = nvfp4_matmul_bwd_pallas(dy_MxN, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=bwd_cfg,
-                                   interpret=interpret, layer=layer)
+  dx_MxK = backward_dx(dy_MxN, q, layer, bwd_cfg, interpret)
   d_xa = d_b = d_bias = None
   if xa_MxR is not None:  # the epilogue's adapter term, lora_scale * xa @ B, differentiated in XLA
     dy = dy_MxN.astype(jnp.float32) * lora_scale
@@ -132,6 +176,21 @@ def _pallas_matmul_2d_bwd(fwd_cfg, bwd_cfg, interpret, lora_scale, res, dy_MxN):
 
 
 _pallas_matmul_2d.defvjp(_pallas_matmul_2d_fwd, _pallas_matmul_2d_bwd)
+
+
+def backward_dx(dy_MxN: jax.Array, q: NVFP4Tensor | Nvfp4Group, layer, bwd_cfg, interpret: bool) -> jax.Array:
+  """dx = dy @ dequant(W)^T by the backward kernel; for a group, the sum of each member's with its columns of
+  dy (float32, rounded once)."""
+  if not isinstance(q, Nvfp4Group):
+    return nvfp4_matmul_bwd_pallas(dy_MxN, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=bwd_cfg,
+                                   interpret=interpret, layer=layer)
+  m, k = dy_MxN.shape[0], q.shape[0]
+  dx, start = jnp.zeros((m, k), jnp.float32), 0
+  for member, n in zip(q.members, q.widths):
+    cfg = config_lib.fit(bwd_cfg, "bwd", m, k, n)
+    dx = dx + backward_dx(dy_MxN[:, start:start + n], member, layer, cfg, interpret).astype(jnp.float32)
+    start += n
+  return dx.astype(dy_MxN.dtype)
 
 
 def _rows_over_mesh(fn, x_MxK: jax.Array, q: NVFP4Tensor, xa_MxR=None, b_RxN=None, bias_N=None) -> jax.Array:
@@ -185,11 +244,11 @@ def _reference_with_epilogue(x_MxK, q, xa_MxR, b_RxN, bias_N, lora_scale):
   """The XLA path with the kernels' epilogue: float32 sum of the three terms, rounded once."""
   if xa_MxR is None and bias_N is None:
     return nvfp4_matmul_reference(x_MxK, q)
-  y = jnp.matmul(x_MxK, quant.dequantize(q, x_MxK.dtype), preferred_element_type=jnp.float32)
+  y = jnp.matmul(x_MxK, dequantize(q, x_MxK.dtype), preferred_element_type=jnp.float32)
   return nvfp4_epilogue.add_in_xla(y, xa_MxR, b_RxN, bias_N, lora_scale).astype(x_MxK.dtype)
 
 
-def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor, *, layer=None, bias: jax.Array | None = None,
+def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor | Nvfp4Group, *, layer=None, bias: jax.Array | None = None,
                  lora: tuple[jax.Array, jax.Array, float] | None = None, implementation: str | None = None,
                  interpret: bool = False, fwd_config: config_lib.Nvfp4MatmulConfig | None = None,
                  bwd_config: config_lib.Nvfp4MatmulConfig | None = None) -> jax.Array:
@@ -198,7 +257,8 @@ def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor, *, layer=None, bias: jax.Array | 
   Args:
     x: activations [..., K], bf16 or fp16 for the kernels (other float dtypes use the XLA path).
     q: NVFP4Tensor of logical shape [K, N] (``qerl_jax.quant.quantize(w, "nvfp4")``), or a stack of them
-      ([L, N, K/2] packed, as the model stores layers) with ``layer`` given.
+      ([L, N, K/2] packed, as the model stores layers) with ``layer`` given, or an ``Nvfp4Group`` of
+      either (weights of one input, one launch: y is [..., sum of their N]).
     layer: with a stacked q, the integer scalar (may be traced, e.g. a scan's layer index) of the weight to
       use. The kernels read that layer in place: a `lax.scan` over layers that slices the stack would
       otherwise copy every layer's weight before each matmul.

@@ -47,24 +47,39 @@ def logical_order(a_MxK: jax.Array, block_k: int) -> jax.Array:
   return a_MxK.reshape(m, k // block_k, 2, block_k // 2).swapaxes(2, 3).reshape(m, k)
 
 
-def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *rest, n: int, block_m: int,
-                            block_n: int, block_k: int, steps: int, group_m: int, split: int,
-                            dequant: str = "jnp", epilogue: Epilogue = Epilogue()):
+def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, *refs, widths: tuple[int, ...], block_m: int, block_n: int,
+                            block_k: int, steps: int, group_m: int, split: int, dequant: str = "jnp",
+                            epilogue: Epilogue = Epilogue()):
   """One [block_m, block_n] output tile over one contraction split.
 
   x_ref [M, K] (with a halves-layout dequant, each block_k run of columns holds the run's even columns,
-  then its odd ones: see ``halves_order``); layer_ref int32 [1]; packed_ref uint8 [L*N, K/2]; scale_ref e4m3
-  [L*N, K/16]; gs_ref f32 [L] (``nvfp4_tile.layer_operands``: rows layer*N .. layer*N + N are this weight);
-  rest: the epilogue's refs (``nvfp4_epilogue``), then o_ref [M, N] (x dtype) when split == 1, else float32
-  partials [split, M, N]. steps: K steps of block_k in all, in ``split`` ranges (``nvfp4_tile.split_range``).
+  then its odd ones: see ``halves_order``); layer_ref int32 [1]; then per weight of ``widths`` (one, or a
+  group's members along N: ``nvfp4_tile.group_operands``) packed_ref uint8 [L*N, K/2], scale_ref e4m3
+  [L*N, K/16], gs_ref f32 [L] (rows layer*N .. layer*N + N are the weight); then the epilogue's refs
+  (``nvfp4_epilogue``), then o_ref [M, sum of N] (x dtype) when split == 1, else float32 partials
+  [split, M, sum of N]. steps: K steps of block_k in all, in ``split`` ranges (``nvfp4_tile.split_range``).
   """
-  *epi_refs, o_ref = rest
+  weights, (*epi_refs, o_ref) = [refs[3 * i:3 * i + 3] for i in range(len(widths))], refs[3 * len(widths):]
+  m, _ = x_ref.shape
+  num_m = pl.cdiv(m, block_m)
+  pid_m, pid_n = _tile_ids(pl.program_id(0), num_m, nvfp4_tile.column_blocks(widths, block_n), group_m)
+  pid_s = pl.program_id(1)
+
+  def member_tile(member, pid_n, col_offset):
+    _tile(x_ref, layer_ref, *weights[member], epi_refs, o_ref, pid_m, pid_n, pid_s, n=widths[member],
+          col_offset=col_offset, block_m=block_m, block_n=block_n, block_k=block_k, steps=steps, split=split,
+          dequant=dequant, epilogue=epilogue)
+
+  nvfp4_tile.for_member(pid_n, widths, block_n, member_tile)
+
+
+def _tile(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_m, pid_n, pid_s, *, n: int,
+          col_offset: int, block_m: int, block_n: int, block_k: int, steps: int, split: int, dequant: str,
+          epilogue: Epilogue):
+  """Tile (pid_m, pid_n) of one weight's y over split ``pid_s`` (``nvfp4_matmul_fwd_kernel``'s work), written
+  from output column ``col_offset`` on (a group member's place in y and in the epilogue's operands)."""
   m, _ = x_ref.shape
   layer = layer_ref[0]
-  num_m = pl.cdiv(m, block_m)
-  num_n = pl.cdiv(n, block_n)
-  pid_m, pid_n = _tile_ids(pl.program_id(0), num_m, num_n, group_m)
-  pid_s = pl.program_id(1)
   rows_M = pid_m * block_m + jnp.arange(block_m)
   cols_N = pid_n * block_n + jnp.arange(block_n)
   row_mask = rows_M < m
@@ -96,7 +111,7 @@ def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, *re
 
   acc_NxM = jax.lax.fori_loop(0, trips, body, jnp.zeros((block_n, block_m), jnp.float32))
   y_MxN = acc_NxM.T * nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
-  rows, cols = pl.ds(pid_m * block_m, block_m), pl.ds(pid_n * block_n, block_n)
+  rows, cols = pl.ds(pid_m * block_m, block_m), pl.ds(col_offset + pid_n * block_n, block_n)
   mask = row_mask[:, None] & col_mask[None, :]
   if split == 1:
     if epilogue.num_refs:
@@ -126,26 +141,31 @@ def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb
   """Builds the grid and launches the forward kernel (or, for config.engine == "gemv", the few-row kernel of
   ``nvfp4_gemv``); returns y [M, N] in x's dtype.
 
-  The weight is one [N, K/2] tensor, or stacked [L, N, K/2] with ``layer`` picking one (read in place).
+  The weight is one [N, K/2] tensor, or stacked [L, N, K/2] with ``layer`` picking one (read in place), or
+  tuples of a group's members (``nvfp4_tile.group_operands``: y is [M, sum of their N]).
   xa_MxR, b_RxN, bias_N, lora_scale: the epilogue, y += bias + lora_scale * xa @ B (``nvfp4_epilogue``).
   poison: start from a NaN-filled output (aliased in place), so a tile the kernel fails to write shows up.
   """
   epi_ops, epi = nvfp4_epilogue.operands(xa_MxR, b_RxN, bias_N, lora_scale)
   if config.engine == "mosaic":
-    return _mosaic(x_MxK, packed_NxKh, scale_NxKb, global_scale, config, interpret, layer, xa_MxR, b_RxN, bias_N,
-                   lora_scale)
+    if not isinstance(packed_NxKh, tuple):
+      return _mosaic(x_MxK, packed_NxKh, scale_NxKb, global_scale, config, interpret, layer, xa_MxR, b_RxN,
+                     bias_N, lora_scale)
+    # The Mosaic kernel takes one weight; a group gets the heuristic config.
+    config = config_lib.heuristic_config("fwd", *x_MxK.shape, sum(p.shape[-2] for p in packed_NxKh))
   if config.engine == "gemv":
     return nvfp4_gemv_pallas(x_MxK, packed_NxKh, scale_NxKb, global_scale, config=config, interpret=interpret,
                              poison=poison, layer=layer, epilogue=(epi_ops, epi))
   m, k = x_MxK.shape
-  weight_operands, n = nvfp4_tile.layer_operands(packed_NxKh, scale_NxKb, global_scale, layer)
+  weight_operands, widths = nvfp4_tile.group_operands(packed_NxKh, scale_NxKb, global_scale, layer)
+  n = sum(widths)
   cfg = config
   if k % cfg.block_k or cfg.split > k // cfg.block_k:
     raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
   num_m = pl.cdiv(m, cfg.block_m)
-  num_n = pl.cdiv(n, cfg.block_n)
+  num_n = nvfp4_tile.column_blocks(widths, cfg.block_n)
   kernel = functools.partial(
-      nvfp4_matmul_fwd_kernel, n=n, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
+      nvfp4_matmul_fwd_kernel, widths=widths, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
       steps=k // cfg.block_k, group_m=cfg.group_m, split=cfg.split,
       dequant=nvfp4_tile.decoder(cfg.dequant, interpret), epilogue=epi)
   # "halves": a reordered copy of x (small next to the weight it multiplies).

@@ -18,15 +18,15 @@ import jax.numpy as jnp
 
 from kernels import config as config_lib
 from kernels.nvfp4_gemv import nvfp4_gemv_xa_pallas, xa_rank_supported
-from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
 from qerl_jax.quant.types import NVFP4Tensor
 
 # The module, not the package attribute of the same name (the function `kernels.nvfp4_matmul`).
 mm = importlib.import_module("kernels.nvfp4_matmul")
 
 
-def nvfp4_matmul_xa(x: jax.Array, q: NVFP4Tensor, a_KxR: jax.Array, *, layer=None, interpret: bool = False,
-                    fwd_config: config_lib.Nvfp4MatmulConfig | None = None) -> tuple[jax.Array, jax.Array]:
+def nvfp4_matmul_xa(x: jax.Array, q: NVFP4Tensor | mm.Nvfp4Group, a_KxR: jax.Array, *, layer=None,
+                    interpret: bool = False, fwd_config: config_lib.Nvfp4MatmulConfig | None = None
+                    ) -> tuple[jax.Array, jax.Array]:
   """(x @ dequantize(q, x.dtype) in x's dtype, x @ A in float32 [..., r]).
 
   Args:
@@ -54,8 +54,8 @@ def nvfp4_matmul_xa(x: jax.Array, q: NVFP4Tensor, a_KxR: jax.Array, *, layer=Non
   return y_MxN.reshape(*x.shape[:-1], n), xa_MxR.reshape(*x.shape[:-1], rank)
 
 
-def xa_shares_launch(x: jax.Array, q: NVFP4Tensor, rank: int, *, layer=None, interpret: bool = False,
-                                      fwd_config: config_lib.Nvfp4MatmulConfig | None = None) -> bool:
+def xa_shares_launch(x: jax.Array, q: NVFP4Tensor | mm.Nvfp4Group, rank: int, *, layer=None,
+                     interpret: bool = False, fwd_config: config_lib.Nvfp4MatmulConfig | None = None) -> bool:
   """Whether ``nvfp4_matmul_xa`` (same arguments, A of this rank) computes x @ A in the gemv's launch.
 
   Where it does not, a caller may prefer its own x @ A (the model concatenates the A's that share an input).
@@ -85,9 +85,8 @@ def _shared_launch(x_MxK, q, layer, a_KxR, cfg, bwd_cfg, interpret):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _gemv_xa(x_MxK, q, layer, a_KxR, cfg, bwd_cfg, interpret):
-  stacked = q.packed_NxKh.ndim == 3
-  return nvfp4_gemv_xa_pallas(x_MxK, q.packed_NxKh, q.scale_NxKb, q.global_scale, a_KxR, config=cfg,
-                              interpret=interpret, layer=layer if stacked else None)
+  return nvfp4_gemv_xa_pallas(x_MxK, *mm.kernel_operands(q), a_KxR, config=cfg, interpret=interpret,
+                              layer=layer if mm.is_stacked(q) else None)
 
 
 def _gemv_xa_fwd(x_MxK, q, layer, a_KxR, cfg, bwd_cfg, interpret):
@@ -97,9 +96,7 @@ def _gemv_xa_fwd(x_MxK, q, layer, a_KxR, cfg, bwd_cfg, interpret):
 def _gemv_xa_bwd(cfg, bwd_cfg, interpret, res, cotangents):
   x_MxK, q, layer, a_KxR = res
   dy_MxN, dxa_MxR = cotangents
-  stacked = q.packed_NxKh.ndim == 3
-  dx_MxK = nvfp4_matmul_bwd_pallas(dy_MxN, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=bwd_cfg,
-                                   interpret=interpret, layer=layer if stacked else None)
+  dx_MxK = mm.backward_dx(dy_MxN, q, layer if mm.is_stacked(q) else None, bwd_cfg, interpret)
   dxa_MxR = dxa_MxR.astype(jnp.float32)
   a_f32 = a_KxR.astype(jnp.float32)
   dx_MxK = (dx_MxK.astype(jnp.float32) + dxa_MxR @ a_f32.T).astype(x_MxK.dtype)

@@ -189,6 +189,47 @@ def layer_operands(packed, scale, global_scale, layer) -> tuple[list, int]:
           global_scale.astype(jnp.float32).reshape(num_layers)], n
 
 
+def group_operands(packed, scale, global_scale, layer) -> tuple[list, tuple[int, ...]]:
+  """`layer_operands` for one weight, or for each member of a group (packed, scale and global_scale tuples
+  of the members, which share K): ([layer int32[1], packed_1, scale_1, gs_1, packed_2, ...], their widths N).
+  One launch computes x @ [W_1 | W_2 | ...] from the members read in place (``for_member``), no concatenation.
+  """
+  if not isinstance(packed, tuple):
+    ops, n = layer_operands(packed, scale, global_scale, layer)
+    return ops, (n,)
+  layer_1, ops, widths = None, [], []
+  for p, s, g in zip(packed, scale, global_scale):
+    (layer_1, *member), n = layer_operands(p, s, g, layer)
+    ops += member
+    widths.append(n)
+  return [layer_1, *ops], tuple(widths)
+
+
+def for_member(pid_n, widths: tuple[int, ...], block_n: int, work) -> None:
+  """Calls ``work(member, its column block, its first output column)`` for the member of a group whose column
+  blocks hold ``pid_n`` (each member's blocks follow the previous member's; a member's last block is masked
+  at its own width, so no block spans two weights). One member: no branch."""
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+
+  if len(widths) == 1:
+    work(0, pid_n, 0)
+    return
+  first, offset = 0, 0
+  for member, n in enumerate(widths):
+    blocks = -(-n // block_n)
+
+    @pl.when((pid_n >= first) & (pid_n < first + blocks))
+    def _(member=member, first=first, offset=offset):
+      work(member, pid_n - first, offset)
+
+    first, offset = first + blocks, offset + n
+
+
+def column_blocks(widths: tuple[int, ...], block_n: int) -> int:
+  """Column blocks of a group's grid (``for_member``)."""
+  return sum(-(-n // block_n) for n in widths)
+
+
 def split_range(pid_s, steps: int, split: int):
   """(first step, steps) of K split ``pid_s``: ranges of ceil(steps / split) K steps, the last one shorter when
   they do not divide (``config.split_trips``; a ragged split lets the split fill the GPU whatever the factors

@@ -22,7 +22,6 @@ those are an upper-bound style estimate; tests/test_memory.py measures the gap a
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -59,7 +58,6 @@ class Plan:
   dequant: int  # transient dequantized weights where no fused kernel reads the packed ones
   layer_copies: int = 0  # the "unrolled" rollout's per-layer copies of what the kernels cannot read in place
   base_copy: int = 0  # the rollout's dequantized copy of the quantized base (ModelConfig.rollout_base_dtype)
-  merged_copy: int = 0  # the rollout's concatenated NVFP4 groups (ModelConfig.rollout_merged_launches)
   notes: tuple[str, ...] = ()
 
   @property
@@ -68,8 +66,7 @@ class Plan:
 
   @property
   def rollout_peak(self) -> int:
-    return (self.persistent + self.kv_cache + self.rollout_work + self.dequant + self.layer_copies + self.base_copy
-            + self.merged_copy)
+    return self.persistent + self.kv_cache + self.rollout_work + self.dequant + self.layer_copies + self.base_copy
 
   @property
   def update_peak(self) -> int:
@@ -191,14 +188,6 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
     dense_copy = {name: {"w": jax.ShapeDtypeStruct((cfg.num_layers, *shapes[name]), cfg.rollout_base_dtype)}
                   for name, p in abstract["layers"].items() if isinstance(p, dict) and is_quantized(p.get("w"))}
     base_copy = _tree_bytes({"layers": dense_copy}, "frozen", sizes)
-  # ModelConfig.merged_launch_groups: a copy of each merged group's NVFP4 weights (nothing to merge in the
-  # dense copy of rollout_base_dtype, or in a group that is not all NVFP4).
-  merged = {}
-  for group in () if cfg.rollout_base_dtype else cfg.merged_launch_groups:
-    ws = {name: abstract["layers"][name]["w"] for name in SHARED_INPUT[group]}
-    if all(isinstance(w, NVFP4Tensor) for w in ws.values()):
-      merged.update({name: {"w": w} for name, w in ws.items()})
-  merged_copy = _tree_bytes({"layers": merged}, "frozen", sizes)
   lora_f32 = lora * 4 // lora_it if lora_it != 4 else lora
   optimizer = 2 * lora
   grads = 2 * lora_f32 + lora  # f32 accumulator, one micro-batch's grads (f32 inside), the update tree
@@ -256,8 +245,7 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
     dequant = 0
   return Plan(weights=weights, lora=lora, optimizer=optimizer, kv_cache=kv_cache, rollout_work=rollout_work,
               grads=grads, activations=activations, logprob_buffers=logprob_buffers, batch=batch_bytes,
-              dequant=dequant, layer_copies=layer_copies, base_copy=base_copy, merged_copy=merged_copy,
-              notes=tuple(notes))
+              dequant=dequant, layer_copies=layer_copies, base_copy=base_copy, notes=tuple(notes))
 
 
 def device_capacity(device: Any = None) -> int | None:
@@ -272,16 +260,13 @@ def device_capacity(device: Any = None) -> int | None:
   return int(limit) if limit else None
 
 
-def fits(p: Plan, capacity: int | None, *, headroom: float = 0.95) -> bool:
-  """Whether the plan's peak is within headroom * capacity (always, where the capacity is unknown)."""
-  return capacity is None or p.peak <= int(capacity * headroom)
-
-
 def check_fits(p: Plan, capacity: int | None, *, headroom: float = 0.95) -> None:
   """Raises PlanTooLarge naming the knob to turn when the plan's peak exceeds headroom * capacity."""
-  if fits(p, capacity, headroom=headroom):
+  if capacity is None:
     return
   limit = int(capacity * headroom)
+  if p.peak <= limit:
+    return
   gb = lambda x: f"{x / GB:.1f} GB"  # noqa: E731
   head = (f"the step needs about {gb(p.peak)} per device (rollout {gb(p.rollout_peak)}, update "
           f"{gb(p.update_peak)}) but {gb(limit)} of {gb(capacity)} is usable")
@@ -291,9 +276,6 @@ def check_fits(p: Plan, capacity: int | None, *, headroom: float = 0.95) -> None
   elif p.rollout_peak >= p.update_peak and p.base_copy > max(p.kv_cache, p.rollout_work, p.layer_copies):
     knob = (f"the rollout's dequantized copy of the base takes {gb(p.base_copy)}: set "
             f"model.rollout_base_dtype='' (the fused kernels read the 4-bit weights in place)")
-  elif p.rollout_peak >= p.update_peak and p.merged_copy > max(p.kv_cache, p.rollout_work, p.layer_copies):
-    knob = (f"the rollout's merged copies of the NVFP4 groups take {gb(p.merged_copy)}: set "
-            f"model.rollout_merged_launches='none' (one launch per projection, no copy)")
   elif p.rollout_peak >= p.update_peak and p.layer_copies > max(p.kv_cache, p.rollout_work):
     knob = (f"the rollout's per-layer copies of the 16-bit layer parameters take {gb(p.layer_copies)}: set "
             f"model.decode_layers='scan' (slower decode, no copy) or use a 4-bit model.quant")
@@ -308,21 +290,6 @@ def check_fits(p: Plan, capacity: int | None, *, headroom: float = 0.95) -> None
     knob = (f"the log-prob slices take {gb(p.logprob_buffers)}: lower train.logprob_chunk or "
             f"train.vocab_chunk (or train.micro_batch_size)")
   raise PlanTooLarge(f"{head}; {knob}.")
-
-
-def plan_that_fits(config, model_config: ModelConfig, mesh_shape, capacity: int | None):
-  """(plan, model_config) for a trainer config: `plan_from_config`, except that the default merged launches
-  (model_config.rollout_merged_launches None) are given up, with a warning, where their copy alone keeps the
-  plan from fitting `capacity`; the model config returned says which. `check_fits` the plan after."""
-  p = plan_from_config(config, model_config, mesh_shape)
-  if model_config.rollout_merged_launches is None and p.merged_copy and not fits(p, capacity):
-    unmerged = model_config.replace(rollout_merged_launches=())
-    alternative = plan_from_config(config, unmerged, mesh_shape)
-    if fits(alternative, capacity):
-      logging.warning("the rollout's merged launches would need %.1f GB that the device does not have: one "
-                      "launch per projection instead", p.merged_copy / GB)
-      return alternative, unmerged
-  return p, model_config
 
 
 def plan_from_config(config, model_config: ModelConfig, mesh_shape=None) -> Plan:

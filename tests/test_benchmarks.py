@@ -40,6 +40,22 @@ def test_bench_kernels_times_tile_gemv_and_xla_paths_after_checking_them(tmp_pat
       assert r["check_rel_err"] < 1e-2
 
 
+@pytest.mark.slow  # ~40 s in interpret mode, as the other bench_kernels runs
+def test_bench_kernels_times_the_group_launch_of_a_fused_layer(tmp_path, capsys):
+  # --group: q|k|v as one launch over its three projections' arrays, checked against the float32 reference of
+  # the fused weight before it is timed; layers that are not fused get no group record.
+  from experiments import bench_kernels
+  out = tmp_path / "kernels.jsonl"
+  bench_kernels.main(["--interpret", "--models", "tiny", "--layers", "qkv,o", "--rows", "1", "--directions", "fwd",
+                      "--group", "--out", str(out)])
+  records = _lines(out)
+  groups = [r for r in records if r["implementation"] == "group"]
+  assert [(r["shape"], r["group"]) for r in groups] == [("qwen2.5-tiny.qkv", [32, 16, 16])]
+  assert groups[0]["check_rel_err"] < 1e-2 and groups[0]["n"] == 64
+  assert {r["shape"] for r in records if r["implementation"] == "pallas"} == {"qwen2.5-tiny.qkv", "qwen2.5-tiny.o"}
+  assert "group gemv" in capsys.readouterr().out
+
+
 def test_bench_kernels_layers_name_the_models_launches_and_refuse_unknown_names(capsys):
   import argparse  # pylint: disable=import-outside-toplevel
   from experiments import bench_kernels
@@ -264,6 +280,20 @@ def test_kernel_sass_lowers_the_tuned_kernel_and_reads_its_loop():
   opcodes, classes, length = kernel_sass.loop_mix(sass)
   assert length == 4 and opcodes == {"LDG.E.U8": 1, "LOP3.LUT": 1, "HGMMA.64x16x16.F32.BF16": 1, "BRA": 1}
   assert classes["global load (sync)"] == 1 and classes["tensor core"] == 1 and classes["integer"] == 1
+
+
+def test_kernel_sass_lowers_a_group_with_a_branch_per_member():
+  # kernel_sass --group: the q|k|v group's launch, one weight operand triple per member and a branch each.
+  from experiments import kernel_sass
+  from kernels import config as config_lib
+
+  cfg = config_lib.get_config("fwd", 1, 3584, 4608, "NVIDIA H200")
+  one = kernel_sass.triton_ir("fwd", 1, 3584, 4608, cfg)
+  group = kernel_sass.triton_ir("fwd", 1, 3584, 4608, cfg, group=(3584, 512, 512))
+  assert group.count("scf.if") >= one.count("scf.if") + 3
+  assert group.count("!tt.ptr<i8>") > one.count("!tt.ptr<i8>")  # each member's packed bytes and scales
+  with pytest.raises(ValueError, match="widths summing to N=4608"):
+    kernel_sass.triton_ir("fwd", 1, 3584, 4608, cfg, group=(3584, 512))
 
 
 def test_kernel_sass_lowers_only_the_ptx_version_line():

@@ -77,7 +77,7 @@ def test_exact_parts_match_hand_counts():
 def test_rollout_base_dtype_counts_one_16_bit_copy_of_the_quantized_weights(layers):
   # ModelConfig.rollout_base_dtype="bfloat16": the rollout holds every quantized projection as a bf16 [K, N]
   # per layer (2 bytes per weight), in the rollout phase only; a bf16 base has nothing to dequantize.
-  cfg = ModelConfig(**TINY, dtype=jnp.bfloat16, decode_layers=layers, rollout_merged_launches=())
+  cfg = ModelConfig(**TINY, dtype=jnp.bfloat16, decode_layers=layers)
   L, D, F = 2, 64, 128
   dense = L * 2 * (D * 64 + 2 * D * 32 + 64 * D + 3 * D * F)  # q, k, v, o, gate, up, down
   args = ("nvfp4", 8, 16, 24, None, 4, 4, True)
@@ -90,29 +90,6 @@ def test_rollout_base_dtype_counts_one_16_bit_copy_of_the_quantized_weights(laye
   sharded = memory.plan(cfg.replace(rollout_base_dtype="bfloat16"), "nvfp4", 8, 16, 24, (2, 2, 2), 4, 4, True)
   assert sharded.base_copy == dense // 4
   assert memory.plan(cfg.replace(rollout_base_dtype="bfloat16"), "bf16", *args[1:]).base_copy == 0
-
-
-def test_rollout_merged_launches_count_one_copy_of_the_merged_groups_nvfp4_weights():
-  # ModelConfig.rollout_merged_launches: the rollout holds q|k|v and gate|up concatenated (their NVFP4 codes,
-  # block scales and global scales once more), in the rollout phase only; nothing to merge in a bf16 base or
-  # in the rollout's dequantized copy.
-  cfg = ModelConfig(**TINY, dtype=jnp.bfloat16)
-  L, D, F = 2, 64, 128
-  qkv = _nvfp4_bytes(D, 64, L) + 2 * _nvfp4_bytes(D, 32, L)
-  gate_up = 2 * _nvfp4_bytes(D, F, L)
-  args = ("nvfp4", 8, 16, 24, None, 4, 4, True)
-  p = memory.plan(cfg.replace(rollout_merged_launches=()), *args)
-  both = memory.plan(cfg.replace(rollout_merged_launches=("qkv", "gate_up")), *args)
-  assert (p.merged_copy, both.merged_copy) == (0, qkv + gate_up)
-  # The default (None) merges both groups, except in the stacked scan or over the dequantized copy.
-  assert memory.plan(cfg, *args).merged_copy == qkv + gate_up
-  assert memory.plan(cfg.replace(decode_layers="scan"), *args).merged_copy == 0
-  assert memory.plan(cfg.replace(rollout_base_dtype="bfloat16"), *args).merged_copy == 0
-  assert both.rollout_peak - p.rollout_peak == qkv + gate_up and both.update_peak == p.update_peak
-  assert memory.plan(cfg.replace(rollout_merged_launches=("qkv",)), *args).merged_copy == qkv
-  assert memory.plan(cfg.replace(rollout_merged_launches=("qkv",)), "bf16", *args[1:]).merged_copy == 0
-  assert memory.plan(cfg.replace(rollout_merged_launches=("qkv",), rollout_base_dtype="bfloat16"),
-                     *args).merged_copy == 0
 
 
 def test_refuses_with_the_knob_to_turn():
@@ -139,10 +116,6 @@ def test_refuses_with_the_knob_to_turn():
   with pytest.raises(memory.PlanTooLarge, match="dequantized copy of the base takes 12.0 GB: set "
                      "model.rollout_base_dtype=''"):
     memory.check_fits(base_heavy, 10 * gb)
-  merged_heavy = dataclasses.replace(p, merged_copy=12 * gb)
-  with pytest.raises(memory.PlanTooLarge, match="merged copies of the NVFP4 groups take 12.0 GB: set "
-                     "model.rollout_merged_launches='none'"):
-    memory.check_fits(merged_heavy, 10 * gb)
   weight_heavy = dataclasses.replace(p, weights=11 * gb)
   with pytest.raises(memory.PlanTooLarge, match="raise mesh.fsdp"):
     memory.check_fits(weight_heavy, 10 * gb)

@@ -230,15 +230,18 @@ def _decode_logits(params, config, scale, tokens):
 
 @pytest.mark.parametrize("rows", [1, 6])  # the gemv with x @ A in its launch; the tile kernel's fused epilogue
 def test_merged_launches_give_the_separate_launches_logits_in_one_launch_per_group(monkeypatch, rows):
-  # ModelConfig.rollout_merged_launches: q|k|v and gate|up as one NVFP4 launch each over a weight concatenated
-  # once per rollout. Through the kernels (interpret mode) the logits equal the separate launches' (bf16
-  # activations, q/k/v biases, nonzero bf16 adapters), with 4 matmul launches per layer where there were 7.
+  # ModelConfig.rollout_merged_launches: q|k|v and gate|up as one NVFP4 launch each over the members' weights
+  # read in place (kernels.Nvfp4Group), each with its own global scale (up and k get others here). Through the
+  # kernels (interpret mode) the logits equal the separate launches' (bf16 activations, q/k/v biases, nonzero
+  # bf16 adapters), with 4 matmul launches per layer where there were 7, and no weight concatenated.
   import functools
   import re
   import kernels
   seed = fresh_seed()
   config = tiny_config(dtype="bfloat16")
   model = random_model(config, seed, quant="nvfp4", lora_dtype=jnp.bfloat16)
+  for w in (model.layers.up_proj.weight, model.layers.k_proj.weight):  # 16x the weights
+    w.set_value(w.get_value().replace(global_scale=w.get_value().global_scale / 16))
   tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 128, (1, rows)))
   for name in ("nvfp4_matmul", "nvfp4_matmul_xa", "xa_shares_launch"):
     monkeypatch.setattr(kernels, name, functools.partial(getattr(kernels, name), interpret=True))
@@ -254,6 +257,8 @@ def test_merged_launches_give_the_separate_launches_logits_in_one_launch_per_gro
     from qerl_jax.model.transformer import forward
     jaxpr = str(jax.make_jaxpr(lambda p: forward(engine.rollout_params(p, cfg), cfg, model.lora_scale, tokens))(
         params))
+    # No packed weights (uint8) are concatenated: the group is read in place.
+    assert not [line for line in jaxpr.splitlines() if "concatenate" in line and "u8[" in line]
     # Each NVFP4 matmul is one call: with x @ A in the gemv's launch (one row), or the tile kernel's.
     return {name: len(re.findall(rf"name={name}\b", jaxpr)) for name in ("_shared_launch", "_nvfp4_matmul_jit")}
 
@@ -266,31 +271,21 @@ def test_merged_launches_give_the_separate_launches_logits_in_one_launch_per_gro
   assert launches(default_cfg) == launches(merged_cfg)
 
 
-def test_merged_launches_sample_the_same_tokens_and_refuse_unshared_global_scales():
-  # On the XLA path (this CPU) the merged rollout samples what the separate one does; a group whose global
-  # scales differ (a checkpoint quantized without the shared scale) is refused before anything compiles.
+def test_merged_launches_sample_the_same_tokens_with_each_members_global_scale():
+  # On the XLA path (this CPU) the merged rollout (the default, None, and by name) samples what the separate
+  # one does, also where the group's members have their own global scales (a checkpoint quantized without
+  # llm-compressor's shared scale per fused group).
   seed = fresh_seed()
   config = tiny_config()
   model = random_model(config, seed, quant="nvfp4")
-  outs = _rollouts_by(model, config, "rollout_merged_launches", ((), ("qkv", "gate_up")),
-                      np.random.default_rng(seed), (0, 2), jax.random.key(seed))
-  np.testing.assert_array_equal(outs[()].tokens_BxN, outs[("qkv", "gate_up")].tokens_BxN)
-  np.testing.assert_allclose(outs[()].logprobs_BxN, outs[("qkv", "gate_up")].logprobs_BxN, rtol=1e-5, atol=1e-5)
   up = model.layers.up_proj.weight
   up.set_value(up.get_value().replace(global_scale=2 * up.get_value().global_scale))
-  before = engine.TRACE_COUNT["rollout"]
-  with pytest.raises(ValueError, match=r"'gate_up', but \['up_proj'\] have global scales"):
-    _rollouts_by(model, config, "rollout_merged_launches", (("qkv", "gate_up"),), np.random.default_rng(seed),
-                 (0,), jax.random.key(seed))
-  assert engine.TRACE_COUNT["rollout"] == before
-  _rollouts_by(model, config, "rollout_merged_launches", (("qkv",),), np.random.default_rng(seed), (0,),
-               jax.random.key(seed))  # q|k|v still share theirs
-  # Under an outer trace the scales cannot be read, so nothing is checked (the caller's promise).
-  model.config = config.replace(rollout_merged_launches=("gate_up",))
-  graphdef, state = nnx.split(model)
-  jax.make_jaxpr(lambda s: engine.rollout(graphdef, s, jnp.ones((1, 3), jnp.int32), jnp.ones((1, 3), bool),
-                                          jax.random.key(0), None, sampling=SamplingParams(temperature=1.0),
-                                          max_new_tokens=2, stop_ids=(), pad_id=0))(state)
+  values = ((), ("qkv", "gate_up"), None)
+  outs = _rollouts_by(model, config, "rollout_merged_launches", values, np.random.default_rng(seed), (0, 2),
+                      jax.random.key(seed))
+  for value in values[1:]:
+    np.testing.assert_array_equal(outs[()].tokens_BxN, outs[value].tokens_BxN)
+    np.testing.assert_allclose(outs[()].logprobs_BxN, outs[value].logprobs_BxN, rtol=1e-5, atol=1e-5)
 
 
 def test_rollout_merged_launches_must_be_known_groups_of_the_unrolled_loop():
@@ -306,33 +301,3 @@ def test_rollout_merged_launches_must_be_known_groups_of_the_unrolled_loop():
   assert [parse_merged_launches(t) for t in ("auto", "none", "", "qkv, gate_up")] == [None, (), (), ("qkv", "gate_up")]
   assert tiny_config(decode_layers="scan").merged_launch_groups == ()
   assert tiny_config(rollout_base_dtype="bfloat16").merged_launch_groups == ()
-
-
-def test_the_default_merges_only_groups_with_one_global_scale(caplog):
-  # rollout_merged_launches=None (the default): a checkpoint whose gate and up have their own global scales
-  # is not refused; gate|up runs as two launches (with a warning), q|k|v still as one, and the tokens are the
-  # separate launches'. Under an outer trace the scales cannot be read, so the default merges nothing.
-  import logging
-  seed = fresh_seed()
-  config = tiny_config(rollout_merged_launches=None)
-  model = random_model(config, seed, quant="nvfp4")
-  up = model.layers.up_proj.weight
-  up.set_value(up.get_value().replace(global_scale=2 * up.get_value().global_scale))
-  graphdef, state = nnx.split(model)
-  with caplog.at_level(logging.WARNING, logger="qerl_jax.rollout.engine"):
-    kept, _ = engine.merged_launches(graphdef, state)
-  assert nnx.merge(kept, state).config.rollout_merged_launches == ("qkv",)
-  assert "['gate_up'] run one launch per projection" in caplog.text
-  outs = _rollouts_by(model, config, "rollout_merged_launches", (None, ()), np.random.default_rng(seed), (0, 2),
-                      jax.random.key(seed))
-  np.testing.assert_array_equal(outs[None].tokens_BxN, outs[()].tokens_BxN)
-  np.testing.assert_allclose(outs[None].logprobs_BxN, outs[()].logprobs_BxN, rtol=1e-5, atol=1e-5)
-  model.config = config
-  graphdef, state = nnx.split(model)
-  traced = []
-  jax.make_jaxpr(lambda s: traced.append(nnx.merge(*engine.merged_launches(graphdef, s)).config) or 0)(state)
-  assert traced[0].rollout_merged_launches == ()
-  # With one scale per group (the quantizer's), the default keeps both.
-  shared = random_model(config, seed, quant="nvfp4")
-  kept, _ = engine.merged_launches(*nnx.split(shared))
-  assert nnx.merge(kept, nnx.split(shared)[1]).config.merged_launch_groups == ("qkv", "gate_up")

@@ -99,15 +99,15 @@ class ModelConfig:
   # 0.98x at 128 and 0.99x at 64 (73f3cb7), for 10.5-13.8 GB more peak memory. The copy's weights are the XLA
   # path's (`quant.dequantize` to bf16, the training forward's from kernels' xla_min_rows rows on).
   rollout_base_dtype: str = ""
-  # NVFP4 projection groups that share an input ("qkv", "gate_up") run as one matmul launch inside a rollout:
-  # their weights are concatenated along N once per rollout, before the decode loop, into a copy that lives
-  # for that rollout (the planner counts it: 2.4 GB for both groups at 7B, 11.5 at 32B), as vLLM merges them
-  # at load time. On an H200 at 173a23d (7B NVFP4, same call) this took the batch-1 rollout 286.3 -> 312.4
-  # tok/s, batch 8 1640.3 -> 1775.1, and the 128-row decode step 12.72 -> 11.92 ms.
+  # NVFP4 projection groups that share an input ("qkv", "gate_up") run as one matmul launch inside a rollout,
+  # as vLLM merges them at load time, but with no merged copy: the launch reads each member's weight in place,
+  # with its own global scale (`kernels.Nvfp4Group`). On an H200 at 173a23d (7B NVFP4, same call; then through
+  # a once-per-rollout concatenated copy of the weights, which the group replaced in the next commits: the same
+  # K loop in the SASS, untimed on a GPU since) this took the batch-1 rollout 286.3 -> 312.4 tok/s, batch 8
+  # 1640.3 -> 1775.1, and the 128-row decode step 12.72 -> 11.92 ms.
   # None (the default) merges both groups wherever they can be: an NVFP4 base read in place (not
-  # rollout_base_dtype's copy), decode_layers="unrolled", and one global scale per group (this project's
-  # quantizer and llm-compressor write one; a checkpoint without is rolled out one launch per projection, with
-  # a warning). A tuple asks for exactly those groups and refuses what cannot be merged; () merges nothing.
+  # rollout_base_dtype's copy) by decode_layers="unrolled". A tuple asks for exactly those groups (and refuses
+  # the scan); () merges nothing.
   rollout_merged_launches: tuple[str, ...] | None = None
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()

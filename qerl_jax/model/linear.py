@@ -225,9 +225,10 @@ def shared_lora_a(ps: Sequence[dict[str, Any]]) -> jax.Array | None:
 
 def merged_linears(x_BxTxK: jax.Array, ps: Sequence[dict[str, Any]], merged: dict[str, Any], lora_scale: float,
                    fused: bool = False, gemv_xa: bool = False) -> list:
-  """`linears` over one launch of the group's merged NVFP4 weight (ModelConfig.rollout_merged_launches).
+  """`linears` over one launch of the group's NVFP4 weights (ModelConfig.rollout_merged_launches).
 
-  merged: {"w": LayerOf(stack of [W1 | W2 | ...] along N, layer), "b": [b1 | b2 | ...] or None, "lora_a":
+  merged: {"w": LayerOf(kernels.Nvfp4Group of the stacks, read in place as [W1 | W2 | ...] along N, layer),
+  "b": [b1 | b2 | ...] or None, "lora_a":
   [A1 | A2 | ... | 0] of the projections with adapters (zero columns up to a power-of-two rank) or None,
   "lora_b": those B's block-diagonal [that rank, sum of N] or None}, made once per rollout
   (`transformer.with_merged_launches`). The output is split back per projection. At decode rows the gemv

@@ -279,11 +279,12 @@ def with_merged_launches(params: dict[str, Any], groups: tuple[str, ...]) -> dic
   """Per-layer `params` (`unstack_layers`) with p["merged"][group] for each of ``groups`` whose projections are
   all NVFP4 (`linear.merged_linears`, ModelConfig.merged_launch_groups).
 
-  The group's stacks are concatenated along N once (a copy of their packed weights and block scales, with the
-  first projection's global scale, which the group shares: `unshared_global_scales`); each layer gets
-  `LayerOf` of it, its biases concatenated, and its adapters' A's concatenated and B's block-diagonal (both
-  padded with zeros to a power-of-two rank).
+  The group's weights are not copied: each layer gets `LayerOf(kernels.Nvfp4Group(the members' stacks),
+  layer)`, which one kernel launch reads member by member in place, each with its own global scale; its biases
+  concatenated, and its adapters' A's concatenated and B's block-diagonal (both padded with zeros to a
+  power-of-two rank), small next to the weights.
   """
+  from kernels import Nvfp4Group  # pylint: disable=import-outside-toplevel
   layers = params["layers"]
   if not isinstance(layers, (list, tuple)):
     raise ValueError("with_merged_launches takes per-layer params (unstack_layers)")
@@ -291,9 +292,7 @@ def with_merged_launches(params: dict[str, Any], groups: tuple[str, ...]) -> dic
   for group in groups:
     ws = [layers[0][name]["w"] for name in SHARED_INPUT[group]]
     if all(isinstance(w, LayerOf) for w in ws):  # NVFP4 read in place (a dense rollout_base_dtype copy: left)
-      qs = [w.stacked for w in ws]
-      stacks[group] = NVFP4Tensor(jnp.concatenate([q.packed_NxKh for q in qs], axis=-2),
-                                  jnp.concatenate([q.scale_NxKb for q in qs], axis=-2), qs[0].global_scale)
+      stacks[group] = Nvfp4Group(tuple(w.stacked for w in ws))
   out = []
   for index, p in enumerate(layers):
     merged = {group: _merged_group([p[name] for name in SHARED_INPUT[group]], stack, index)
@@ -302,8 +301,8 @@ def with_merged_launches(params: dict[str, Any], groups: tuple[str, ...]) -> dic
   return {**params, "layers": out}
 
 
-def _merged_group(ps: list[dict[str, Any]], stack: NVFP4Tensor, layer: int) -> dict[str, Any]:
-  """One layer's merged weight, bias, A's and block-diagonal B's for `linear.merged_linears`."""
+def _merged_group(ps: list[dict[str, Any]], stack, layer: int) -> dict[str, Any]:
+  """One layer's group weight, bias, A's and block-diagonal B's for `linear.merged_linears`."""
   widths = [p["w"].stacked.shape[1] for p in ps]
   biases = [p.get("b") for p in ps]
   out = {"w": LayerOf(stack, layer), "b": None, "lora_a": None, "lora_b": None}
@@ -327,28 +326,6 @@ def _merged_group(ps: list[dict[str, Any]], stack: NVFP4Tensor, layer: int) -> d
       b_RxN = b_RxN.at[row:row + r, starts[i]:starts[i + 1]].set(p["lora_b"])
       row += r
     out["lora_b"] = b_RxN
-  return out
-
-
-def unshared_global_scales(params: dict[str, Any], groups: tuple[str, ...]) -> dict[str, list[str]] | None:
-  """{group: projections whose global scale differs from the group's first}, for each NVFP4 group of ``groups``
-  that a merged launch could not dequantize; None where the params are not concrete (under an outer trace).
-
-  Stacked params: one global scale per layer, compared on the device (a replicated bool, readable on every
-  host of a mesh)."""
-  layers = params["layers"]
-  out = {}
-  for group in groups:
-    names = SHARED_INPUT[group]
-    ws = [layers[name]["w"] for name in names if isinstance(layers.get(name), dict)]
-    if len(ws) != len(names) or not all(isinstance(w, NVFP4Tensor) for w in ws):
-      continue
-    try:
-      bad = [name for name, w in zip(names, ws) if not bool(jnp.array_equal(w.global_scale, ws[0].global_scale))]
-    except jax.errors.ConcretizationTypeError:
-      return None
-    if bad:
-      out[group] = bad
   return out
 
 

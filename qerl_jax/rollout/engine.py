@@ -9,21 +9,18 @@ compiles a handful of programs. The trainer calls `rollout`; notebooks use `gene
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
 from qerl_jax.model import init_cache
-from qerl_jax.model.transformer import (forward, unshared_global_scales, unstack_layers, with_adapter_dtype,
-                                        with_dequantized_base, with_merged_launches)
+from qerl_jax.model.transformer import (forward, unstack_layers, with_adapter_dtype, with_dequantized_base,
+                                        with_merged_launches)
 from qerl_jax.rollout.sampling import SamplingParams, sample
 
 # Incremented each time the decode program is traced: the tests assert one trace per bucket.
 TRACE_COUNT = {"rollout": 0}
-_log = logging.getLogger(__name__)
-_WARNED = set()  # the default's groups already reported as unmergeable
 
 
 @struct.dataclass
@@ -64,52 +61,16 @@ def rollout_params(params, config):
   return params
 
 
+@functools.partial(
+  jax.jit, static_argnames=("graphdef", "sampling", "max_new_tokens", "stop_ids", "pad_id"))
 def rollout(graphdef, state, prompt_BxP, valid_BxP, key, norm_noise=None, *, sampling: SamplingParams,
             max_new_tokens: int, stop_ids: tuple[int, ...], pad_id: int = 0) -> RolloutBatch:
   """Samples `max_new_tokens` (or until a stop id) after each left-padded prompt row (one jitted program).
 
   graphdef, state: `nnx.split(model)`. prompt_BxP: int32 ids, padding on the left; valid_BxP: bool, False
   on padding. key: this rollout's PRNG key (the token at step i uses fold_in(key, i)). norm_noise: the AQN
-  additions to the RMSNorm scales for this rollout, or None. The merged launches' global scales
-  (`merged_launch_groups`) are checked first, where the state is concrete (`merged_launches`).
+  additions to the RMSNorm scales for this rollout, or None.
   """
-  graphdef, state = merged_launches(graphdef, state)
-  return _rollout(graphdef, state, prompt_BxP, valid_BxP, key, norm_noise, sampling=sampling,
-                  max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id)
-
-
-def merged_launches(graphdef, state):
-  """(graphdef, state) whose config names only groups that one launch can dequantize (one global scale each).
-
-  Groups asked for by name (ModelConfig.rollout_merged_launches a tuple) that cannot be merged are refused;
-  the default's (None) are dropped, with a warning, and all of them under an outer trace, where the scales
-  cannot be read."""
-  model = nnx.merge(graphdef, state)
-  config = model.config
-  groups = config.merged_launch_groups
-  unshared = unshared_global_scales(model.params(), groups) if groups else {}
-  if unshared == {}:
-    return graphdef, state
-  if config.rollout_merged_launches is not None:  # asked for by name
-    group, bad = next(iter((unshared or {}).items()), (None, None))
-    if group is None:  # under an outer trace: nothing to check
-      return graphdef, state
-    raise ValueError(f"model.rollout_merged_launches has {group!r}, but {bad} have global scales other than "
-                     f"the group's first, so one launch cannot dequantize them: drop {group!r} from it (or "
-                     "quantize the group with one shared global scale, as this project's quantizer does)")
-  if unshared and tuple(unshared) not in _WARNED:
-    _WARNED.add(tuple(unshared))
-    _log.warning("rollout: %s run one launch per projection; their global scales differ: %s", list(unshared),
-                 unshared)
-  kept = tuple(g for g in groups if unshared is not None and g not in unshared)
-  model.config = config.replace(rollout_merged_launches=kept)
-  return nnx.split(model)
-
-
-@functools.partial(
-  jax.jit, static_argnames=("graphdef", "sampling", "max_new_tokens", "stop_ids", "pad_id"))
-def _rollout(graphdef, state, prompt_BxP, valid_BxP, key, norm_noise=None, *, sampling: SamplingParams,
-             max_new_tokens: int, stop_ids: tuple[int, ...], pad_id: int = 0) -> RolloutBatch:
   TRACE_COUNT["rollout"] += 1
   model = nnx.merge(graphdef, state)
   config = model.config

@@ -102,7 +102,7 @@ class Trainer:
     mesh = mesh_from_config(config)
     model, tokenizer = setup.build_model(config, mesh=mesh)
     validate_model(config, model.config, tokenizer)
-    _, model.config = check_memory(config, model.config)
+    check_memory(config, model.config)
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
     trainer = cls(config, workdir, model, tokenizer, checkpointer, resume, mesh)
@@ -217,16 +217,14 @@ def mesh_from_config(config):
   return mesh
 
 
-def check_memory(config, model_config):
-  """(plan, model_config): logs the memory plan of one step and refuses one that cannot fit the device (before
-  compiling); the model config may have given up the default merged launches (`memory.plan_that_fits`)."""
+def check_memory(config, model_config) -> memory.Plan:
+  """Logs the memory plan of one step and refuses one that cannot fit the device (before compiling)."""
   spec = dict(config.mesh) if "mesh" in config else {}
   shape = sharding.mesh_shape(spec, jax.device_count()) if any(int(v) != 1 for v in spec.values()) else None
-  capacity = memory.device_capacity()
-  plan, model_config = memory.plan_that_fits(config, model_config, shape, capacity)
+  plan = memory.plan_from_config(config, model_config, shape)
   logging.info("%s", plan.table())
-  memory.check_fits(plan, capacity)
-  return plan, model_config
+  memory.check_fits(plan, memory.device_capacity())
+  return plan
 
 
 def _check_nonfinite(metrics: dict, config, step: int) -> None:
