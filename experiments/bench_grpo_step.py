@@ -32,8 +32,8 @@ DEFAULT_OUT = os.path.join(ROOT, "experiments", "results", "grpo_step.jsonl")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_rollout import (QWEN25, _filler, add_per_run_flags, model_config, refuse_per_run_flags,  # noqa: E402
-                           synthetic_base)
+from bench_rollout import (QWEN25, _filler, add_per_run_flags, merged_groups, model_config,  # noqa: E402
+                           refuse_per_run_flags, synthetic_base)
 from experiments.provenance import commit  # noqa: E402
 
 
@@ -90,7 +90,8 @@ def run_one(args) -> dict:
   config = model_config(args.model).replace(remat=True, decode_attention=args.decode_attention,
                                             decode_layers=args.decode_layers, fused_lora=args.fused_lora,
                                             rollout_lora_dtype=args.rollout_lora_dtype,
-                                            rollout_base_dtype=args.rollout_base_dtype)
+                                            rollout_base_dtype=args.rollout_base_dtype,
+                                            rollout_merged_launches=merged_groups(args.merged_launches, args.quant))
   rows = args.prompts * args.samples
   mesh_spec = dict(zip(sharding.MESH_AXES, map(int, args.mesh.split(","))))
   mesh = None if all(v == 1 for v in mesh_spec.values()) else sharding.make_mesh(mesh_spec)
@@ -180,7 +181,8 @@ def run_one(args) -> dict:
     lora_rank=args.lora_rank, tokens_per_s=rows * args.new_tokens / timings["rollout_s"], xla_memory=xla_memory,
     device=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit(),
     decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora,
-    rollout_lora_dtype=args.rollout_lora_dtype, rollout_base_dtype=args.rollout_base_dtype)
+    rollout_lora_dtype=args.rollout_lora_dtype, rollout_base_dtype=args.rollout_base_dtype,
+    rollout_merged_launches=",".join(config.merged_launch_groups) if args.quant == "nvfp4" else "")
 
 
 def main():
@@ -212,6 +214,9 @@ def main():
   p.add_argument("--rollout-base-dtype", default="", choices=["", "bfloat16"],
                  help="NVFP4: the rollout dequantizes the base once into a bf16 copy "
                       "(ModelConfig.rollout_base_dtype; '' = the fused kernels)")
+  p.add_argument("--merged-launches", default="auto", metavar="GROUPS",
+                 help="NVFP4: q|k|v and gate|up as one launch each in the rollout "
+                      "(ModelConfig.rollout_merged_launches; auto = both, the default; none = one per projection)")
   p.add_argument("--out", default=None,
                  help="JSON lines file (default experiments/results/grpo_step.jsonl; with --smoke, none)")
   p.add_argument("--smoke", action="store_true", help="tiny model and lengths: checks the script runs (CPU)")
@@ -236,6 +241,7 @@ def main():
       cmd += ["--fused-lora" if args.fused_lora else "--no-fused-lora"]
       cmd += ["--rollout-lora-dtype", args.rollout_lora_dtype] if args.rollout_lora_dtype else []
       cmd += ["--rollout-base-dtype", args.rollout_base_dtype] if args.rollout_base_dtype else []
+      cmd += ["--merged-launches", args.merged_launches]
       proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
       records = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RECORD ")]
       if proc.returncode or not records:

@@ -179,6 +179,7 @@ def test_bench_grpo_step_smoke_writes_the_phase_split(tmp_path):
       assert field in r, field
     assert r["step_s"] >= r["rollout_s"] > 0 and r["commit"] == "test"
     assert r["rollout_lora_dtype"] == "bfloat16" and r["fused_lora"] is True
+    assert r["rollout_merged_launches"] == ("qkv,gate_up" if r["quant"] == "nvfp4" else "")  # the default
 
 
 def test_profile_decode_sums_stream_kernels_only(tmp_path):
