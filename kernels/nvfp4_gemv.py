@@ -274,8 +274,7 @@ def _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, cfg: Nvfp4MatmulConfig
   kb = k // 16
   plan = None if a_KxR is None else xa_plan(k, a_KxR.shape[1], a_KxR.dtype.itemsize, cfg.split)
   kernel = functools.partial(nvfp4_gemv_kernel, widths=widths, rows=m, block_n=cfg.block_n,
-                             block_b=cfg.block_k // 16,
-                             steps=k // cfg.block_k, split=cfg.split,
+                             block_b=cfg.block_k // 16, steps=k // cfg.block_k, split=cfg.split,
                              dequant=nvfp4_tile.decoder(cfg.dequant, interpret), epilogue=epi,
                              prefetch=cfg.prefetch, xa=plan, half=cfg.half_products)
   for i in range(0, len(weights), 3):  # packed [L*N, K/2] as [L*N, K/16, 8]: one NVFP4 block per row
@@ -285,11 +284,9 @@ def _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, cfg: Nvfp4MatmulConfig
   if plan is not None:
     operands.append(a_KxR.reshape(kb, 8, 2 * plan.rank))  # row (b, j): A's rows 16b + 2j, then 16b + 2j + 1
     extra_out, columns = (jax.ShapeDtypeStruct((plan.programs, m, plan.rank), jnp.float32),), plan.columns
-  out = nvfp4_tile.launch(kernel, operands, rows=m, cols=n, split=cfg.split,
-                          dtype=x_MxK.dtype,
+  out = nvfp4_tile.launch(kernel, operands, rows=m, cols=n, split=cfg.split, dtype=x_MxK.dtype,
                           grid=(columns + nvfp4_tile.column_blocks(widths, cfg.block_n), cfg.split),
-                          num_warps=cfg.num_warps,
-                          num_stages=cfg.num_stages, interpret=interpret, poison=poison,
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret, poison=poison,
                           name="nvfp4_gemv" if plan is None else "nvfp4_gemv_xa", extra_out=extra_out)
   if plan is None:
     return out

@@ -62,6 +62,7 @@ def kernel_operands(q: NVFP4Tensor | Nvfp4Group) -> tuple:
 
 
 def is_stacked(q: NVFP4Tensor | Nvfp4Group) -> bool:
+  """Whether q (or a group's members) is a stack [L, ...] of layers."""
   return (q.members[0] if isinstance(q, Nvfp4Group) else q).packed_NxKh.ndim == 3
 
 
@@ -179,8 +180,8 @@ _pallas_matmul_2d.defvjp(_pallas_matmul_2d_fwd, _pallas_matmul_2d_bwd)
 
 
 def backward_dx(dy_MxN: jax.Array, q: NVFP4Tensor | Nvfp4Group, layer, bwd_cfg, interpret: bool) -> jax.Array:
-  """dx = dy @ dequant(W)^T by the backward kernel; for a group, the sum of each member's with its columns of
-  dy (float32, rounded once)."""
+  """dx = dy @ dequant(W)^T by the backward kernel. For a group, each member's dx from its columns of dy (in dy's
+  dtype, as the separate projections' gradients are), summed in float32 and rounded once."""
   if not isinstance(q, Nvfp4Group):
     return nvfp4_matmul_bwd_pallas(dy_MxN, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=bwd_cfg,
                                    interpret=interpret, layer=layer)

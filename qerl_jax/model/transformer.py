@@ -295,17 +295,18 @@ def with_merged_launches(params: dict[str, Any], groups: tuple[str, ...]) -> dic
       stacks[group] = Nvfp4Group(tuple(w.stacked for w in ws))
   out = []
   for index, p in enumerate(layers):
-    merged = {group: _merged_group([p[name] for name in SHARED_INPUT[group]], stack, index)
-              for group, stack in stacks.items()}
+    merged = {group: _merged_group([p[name] for name in SHARED_INPUT[group]], group_w, index)
+              for group, group_w in stacks.items()}
     out.append({**p, "merged": merged})
   return {**params, "layers": out}
 
 
-def _merged_group(ps: list[dict[str, Any]], stack, layer: int) -> dict[str, Any]:
-  """One layer's group weight, bias, A's and block-diagonal B's for `linear.merged_linears`."""
+def _merged_group(ps: list[dict[str, Any]], group_w, layer: int) -> dict[str, Any]:
+  """One layer's group weight (`LayerOf` the group of stacks), bias, A's and block-diagonal B's for
+  `linear.merged_linears`."""
   widths = [p["w"].stacked.shape[1] for p in ps]
   biases = [p.get("b") for p in ps]
-  out = {"w": LayerOf(stack, layer), "b": None, "lora_a": None, "lora_b": None}
+  out = {"w": LayerOf(group_w, layer), "b": None, "lora_a": None, "lora_b": None}
   present = [b for b in biases if b is not None]
   if present:
     out["b"] = jnp.concatenate([b if b is not None else jnp.zeros((n,), present[0].dtype)
