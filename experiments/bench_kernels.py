@@ -420,6 +420,8 @@ def main(argv=None):
                       "candidate (e.g. jnp,halves,asm)")
   args = p.parse_args(argv)
   layers = layer_names(args.layers, p)
+  if args.group and args.sweep:
+    p.error("--group times the tuned config; it does not combine with --sweep")
   global _INTERPRET, _TRACE
   _INTERPRET, _TRACE = args.interpret, args.trace
 

@@ -166,13 +166,15 @@ def run(args):
   records = []
   for quant in args.quants:
     base = synthetic_base(model_config(args.model), quant)
-    variants = [(a, l, f) for l in args.decode_layers for a in args.decode_attention
-                for f in (args.lora_epilogue if quant == "nvfp4" else ["xla"])]  # bf16 has no kernel epilogue
-    for attention, layers, epilogue in variants:
+    # bf16 has no kernel epilogue and nothing to merge
+    variants = [(a, l, f, g) for l in args.decode_layers for a in args.decode_attention
+                for f in (args.lora_epilogue if quant == "nvfp4" else ["xla"])
+                for g in (args.merged_launches if quant == "nvfp4" else ["none"])]
+    for attention, layers, epilogue, groups in variants:
       config = model_config(args.model).replace(decode_attention=attention, decode_layers=layers,
                                                 fused_lora=epilogue.startswith("fused"),
                                                 gemv_lora_xa=epilogue.endswith("gemv-xa"),
-                                                rollout_merged_launches=merged_groups(args.merged_launches, quant))
+                                                rollout_merged_launches=merged_groups(groups, quant))
       lora = LoraConfig(rank=16, alpha=16, dtype=jnp.dtype(args.lora_dtype))
       model = Transformer(config, base, lora=lora, rngs=nnx.Rngs(0))
       gs = nnx.split(model)
@@ -207,6 +209,7 @@ def run(args):
         rec["calls_per_step"] = {k: details[k]["calls"] / args.steps for k in rec["kernel_details"]}
         records.append(rec)
         print(f"\n{quant:6s} b{batch:<3d} attn={attention:6s} layers={layers:8s} lora={epilogue:5s} "
+              f"merged={rec['rollout_merged_launches'] or 'none'} "
               f"{ms_step:7.2f} ms/step wall, kernels {kernel_ms:6.2f} ms/step, span {rec['span_ms_per_step']:6.2f}",
               flush=True)
         for name, us in list(rec["kernels_us_per_step"].items())[:args.top]:
@@ -238,9 +241,10 @@ def main():
                  help="NVFP4: bias and LoRA added by XLA after the matmul, fused into the kernels' epilogue, "
                       "(gemv-xa) x @ A computed in the gemv's launch at decode rows (ModelConfig.gemv_lora_xa), or "
                       "both (the gemv's x @ A at 1-2 rows, the fused epilogue elsewhere)")
-  p.add_argument("--merged-launches", default="auto", metavar="GROUPS",
-                 help="NVFP4: comma-separated groups (qkv, gate_up) as one launch over a merged weight "
-                      "(ModelConfig.rollout_merged_launches; auto = both, the default; none = one per projection)")
+  p.add_argument("--merged-launches", nargs="+", default=["auto"], metavar="GROUPS",
+                 help="NVFP4: comma-separated groups (qkv, gate_up) as one launch each "
+                      "(ModelConfig.rollout_merged_launches; auto = both, the default; none = one per projection); "
+                      "several values run one after another on the same weights, e.g. 'none auto'")
   p.add_argument("--cache-len", type=int, default=1280)
   p.add_argument("--start", type=int, default=768, help="first cache slot written (mid-rollout)")
   p.add_argument("--steps", type=int, default=16)
@@ -256,10 +260,11 @@ def main():
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(records, f)
-  print(f"\n{'quant':6s} {'batch':>5s} {'attn':6s} {'layers':8s} {'lora':13s} {'wall ms':>8s} {'kernel ms':>9s}")
+  print(f"\n{'quant':6s} {'batch':>5s} {'attn':6s} {'layers':8s} {'lora':13s} {'merged':12s} {'wall ms':>8s} "
+        f"{'kernel ms':>9s}")
   for r in records:
     print(f"{r['quant']:6s} {r['batch']:5d} {r['decode_attention']:6s} {r['decode_layers']:8s} "
-          f"{lora_label(r):13s} "
+          f"{lora_label(r):13s} {r['rollout_merged_launches'] or 'none':12s} "
           f"{r['ms_per_step']:8.2f} {r['kernel_ms_per_step']:9.2f}")
 
 

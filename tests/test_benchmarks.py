@@ -258,6 +258,19 @@ def test_profile_decode_runs_every_variant(tmp_path):
   assert all(r["ms_per_step"] > 0 and r["commit"] == "test" for r in records)
 
 
+@pytest.mark.slow
+def test_profile_decode_runs_merged_launch_variants_on_the_same_weights(tmp_path):
+  # --merged-launches none auto: both in one process (the group launch A/B); bf16 has nothing to merge.
+  out = tmp_path / "profile.json"
+  subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "profile_decode.py"), "--model", "smoke",
+                  "--quants", "bf16", "nvfp4", "--batches", "1", "--merged-launches", "none", "auto",
+                  "--cache-len", "48", "--start", "32", "--steps", "2", "--reps", "1", "--out", str(out)],
+                 check=True, cwd=ROOT, env=dict(os.environ, QERL_COMMIT="test"), capture_output=True, text=True)
+  records = json.loads(out.read_text())
+  assert sorted((r["quant"], r["rollout_merged_launches"]) for r in records) == [
+    ("bf16", ""), ("nvfp4", ""), ("nvfp4", "qkv,gate_up")]
+
+
 def test_kernel_sass_lowers_the_tuned_kernel_and_reads_its_loop():
   # The GPU-free half of experiments/kernel_sass.py: jax's Triton IR for the kernel the H200 dispatch would
   # launch, cleaned for Triton's parser; and the K-loop instruction mix read from SASS text.
