@@ -282,9 +282,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  help="NVFP4: dequantize the base once per rollout into a bf16 copy "
                       "(ModelConfig.rollout_base_dtype; '' = the fused kernels, the default)")
   p.add_argument("--merged-launches", default="auto", metavar="GROUPS",
-                 help="NVFP4: comma-separated groups (qkv, gate_up) run as one launch over a weight merged once "
-                      "per rollout (ModelConfig.rollout_merged_launches; auto = both, the default; none = one "
-                      "launch per projection)")
+                 help="NVFP4: comma-separated groups (qkv, gate_up) run as one launch each, the members read in "
+                      "place (ModelConfig.rollout_merged_launches; auto = both, the default; none = one launch "
+                      "per projection)")
   p.add_argument("--xla-flag-sets", default="", metavar="SETS",
                  help="'|'-separated sets of XLA flags, one run of everything per set, each added to XLA_FLAGS "
                       "and recorded as xla_flags; e.g. '|--xla_gpu_enable_command_buffer=FUSION,CUBLAS,WHILE' "

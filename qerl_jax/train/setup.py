@@ -119,7 +119,6 @@ def runtime_choices(config) -> dict:
               rollout_merged_launches=parse_merged_launches(m.get("rollout_merged_launches", "auto")))
 
 
-
 def _build_model(config, mesh):
   if config.model.random.model_type:
     if not config.model.tokenizer:
