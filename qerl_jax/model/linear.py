@@ -236,6 +236,9 @@ def merged_linears(x_BxTxK: jax.Array, ps: Sequence[dict[str, Any]], merged: dic
   the bias and the block-diagonal product (its zero blocks add exact zeros); otherwise XLA adds each
   projection's terms as `linear` does.
   """
+  # Outside the fused epilogue each projection's own terms are added (not `linear` on the merged dict): the
+  # block-diagonal B's padded rank would change XLA's float32 sum order (measured: logits 5.5e-4 apart at one
+  # row against 0.0) and multiply its zero blocks.
   widths = [logical_shape(_stack_and_layer(p["w"])[0])[1] for p in ps]
   with_lora = [p for p in ps if p.get("lora_a") is not None]
   w, a_KxRs = merged["w"], merged.get("lora_a")
@@ -250,6 +253,7 @@ def merged_linears(x_BxTxK: jax.Array, ps: Sequence[dict[str, Any]], merged: dic
       lora = (xa, merged["lora_b"], lora_scale) if with_lora else None
       return jnp.split(base_matmul(x_BxTxK, w, bias=merged.get("b"), lora=lora), np.cumsum(widths)[:-1], axis=-1)
     y = base_matmul(x_BxTxK, w)
+  # (The last piece of the split is the zero columns that pad the rank.)
   xas = iter(jnp.split(xa, np.cumsum([p["lora_a"].shape[-1] for p in with_lora]), axis=-1) if with_lora else [])
   return [_add_terms(y_p, p, next(xas) if p.get("lora_a") is not None else None, lora_scale)
           for y_p, p in zip(jnp.split(y, np.cumsum(widths)[:-1], axis=-1), ps)]
