@@ -360,3 +360,19 @@ def test_bench_rollout_merged_launches_reach_the_nvfp4_config_only():
   assert merged_groups(args.merged_launches, "nvfp4") == ("qkv", "gate_up")
   assert merged_groups("qkv", "bf16") == ()
   assert merged_groups("", "nvfp4") == ()
+
+
+def test_probe_gemv_loads_checks_every_probe_reads_every_byte(tmp_path, monkeypatch):
+  from experiments import probe_gemv_loads
+  out = tmp_path / "probe.json"
+  records = probe_gemv_loads.main(["--shapes", "tiny", "--copies", "2", "--passes", "1", "--reps", "1",
+                                   "--interpret", "--out", str(out)])
+  assert {r["op"] for r in records} == {*probe_gemv_loads.PROBES, "xla_sum", "bf16_dot", "gemv"}
+  assert [r["op"] for r in json.loads(out.read_text())] == [r["op"] for r in records]
+  for r in records:
+    assert r["shape"] == "tiny" and {"device_us", "mb", "tbps", "commit", "device"} <= set(r)
+  # A probe whose sums miss one program fails the byte-sum check before anything is timed.
+  real = probe_gemv_loads.probe
+  monkeypatch.setattr(probe_gemv_loads, "probe", lambda name, packed, *a, **kw: real(name, packed, *a, **kw)[:-1])
+  with pytest.raises(AssertionError, match="skipped or re-read"):
+    probe_gemv_loads.check_probes(probe_gemv_loads._weights(512, 64, 1)[0], interpret=True)
