@@ -138,6 +138,15 @@ GEMV_CANDIDATES += [_C(block_n=bn, block_k=256, num_warps=w, num_stages=3, engin
                     for bn, w, pf, ppsm in [(16, 4, 0, 8), (16, 4, 1, 8), (16, 4, 0, 10), (16, 8, 0, 8),
                                             (32, 8, 0, 8), (32, 8, 0, 4)]]
 
+# More bytes in flight per thread (--gemv-set in_flight). probe_gemv_loads at 276b6ce (H200, 7B gate at 1 row):
+# load-only kernels read the weight in 12.6-13.9 us in every tile pattern, against 20.3 for the gemv, and XLA's
+# bf16 gemv streams 4.1 TB/s. The gemv keeps one trip in flight per program (16 bytes of codes per thread at
+# 16/256 with 4 warps, 10 programs per SM); these load 32-64 bytes per thread per trip, or two trips ahead.
+GEMV_SETS = {"all": GEMV_CANDIDATES,
+             "in_flight": [_C(block_n=bn, block_k=bk, num_warps=w, num_stages=3, engine="gemv", prefetch=pf,
+                              dequant="asm_e4m3", programs_per_sm=8)
+                           for bn, bk, w, pf in [(16, 256, 4, 0), (16, 512, 4, 0), (32, 256, 4, 0), (16, 1024, 4, 0),
+                                                 (32, 512, 4, 0), (16, 256, 4, 2), (16, 512, 4, 1), (64, 256, 8, 0)]]}
 
 _TAGS = itertools.count()
 
@@ -405,6 +414,8 @@ def main(argv=None):
                  help="also time the XLA path (dequantize, then XLA's dot) after each kernel, same shape")
   p.add_argument("--gemv", action="store_true",
                  help="at forward rows <= 16 also time every gemv-engine candidate; the fastest is reported")
+  p.add_argument("--gemv-set", default="all", choices=sorted(GEMV_SETS),
+                 help="with --gemv: which list of gemv candidates (in_flight: more bytes loaded per thread)")
   p.add_argument("--gemv-decoders", default="",
                  help="with --gemv: only the gemv candidates of these decoders (comma-separated, e.g. asm_e4m3)")
   p.add_argument("--trace", action="store_true",
@@ -448,7 +459,7 @@ def main(argv=None):
               cfg = config_lib.get_config(direction, rows, k, n, device)
               cands = [dataclasses.replace(cfg, dequant=d) for d in decoders or [cfg.dequant]]
               if args.gemv and direction == "fwd" and rows <= config_lib.GEMV_MAX_ROWS:
-                cands += [c for c in GEMV_CANDIDATES if not gemv_decoders or c.dequant in gemv_decoders]
+                cands += [c for c in GEMV_SETS[args.gemv_set] if not gemv_decoders or c.dequant in gemv_decoders]
             tag = dict(shape=f"qwen2.5-{model}.{layer}", commit=commit, device=device,
                        copy_tbps=round(bw / 1e12, 3))
             widths = group_widths(model, layer) if args.group and direction == "fwd" else ()

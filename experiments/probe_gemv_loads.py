@@ -200,7 +200,7 @@ def main(argv=None):
       us = statistics.median(r[name] for r in runs)
       read_mb = n * k * 2 / 1e6 if name == "bf16_dot" else mb
       records.append(dict(shape=shape, op=name, device_us=round(us, 2), mb=round(read_mb, 1),
-                          tbps=round(read_mb / us / 1e6, 3), commit=commit, device=device))
+                          tbps=round(read_mb / us, 3), commit=commit, device=device))
   print(f"{'shape':18} {'op':16} {'device us':>10} {'MB':>7} {'TB/s':>6}")
   for r in records:
     print(f"{r['shape']:18} {r['op']:16} {r['device_us']:10.2f} {r['mb']:7.1f} {r['tbps']:6.3f}")
