@@ -17,8 +17,9 @@ import os
 _TUNING_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 # Streaming multiprocessors to fill with programs when there are few rows (132 on the H100/H200 SXM).
 _DEFAULT_NUM_SMS = 132
-DECODERS = ("jnp", "halves", "asm", "asm_e4m3")
+DECODERS = ("jnp", "halves", "asm", "asm_e4m3", "asm_fma")
 HALVES_DECODERS = ("halves", "asm")  # the decoders that split x (or dx) into even and odd columns
+GEMV_DECODERS = ("asm_e4m3", "asm_fma")  # inline PTX of the gemv engine only
 ENGINES = ("tensorcore", "gemv", "mosaic")
 # The gemv engine unrolls its rows (one accumulator each); past this many the tensor-core kernel runs.
 GEMV_MAX_ROWS = 16
@@ -39,7 +40,9 @@ class Nvfp4MatmulConfig:
   a few bit operations and paired multiply-adds per packed word; GPU only, interpret mode runs "halves"),
   or, for the gemv engine only, "asm_e4m3" (the e4m3 route in inline PTX on whole packed words: each nibble
   plane becomes four e4m3 bytes in five bit operations and two hardware conversions to 16-bit floats; GPU
-  only, interpret mode runs "jnp"; a tile config gets "asm").
+  only, interpret mode runs "jnp"; a tile config gets "asm"), or "asm_fma" (gemv only: the same decode with
+  each byte's two products formed in the same PTX as one multiply and one fused multiply-add; interpret mode
+  runs "jnp", a tile config "asm").
   programs_per_sm: with an automatic split, how many programs per SM to aim for. The tile kernels aim for 2;
   a gemv program is small (4 warps, ~56 registers: 9 fit on an H200 SM), so it may aim for a full wave.
   ragged_split: a tile forward's K ranges may be ragged (the last one shorter), so its automatic split can
@@ -69,7 +72,7 @@ class Nvfp4MatmulConfig:
   group_m: int = 8
   num_warps: int = 4
   num_stages: int = 3
-  dequant: str = "jnp"  # "jnp" | "halves" (portable) | "asm" | "asm_e4m3" (gemv) (inline PTX, GPU only)
+  dequant: str = "jnp"  # "jnp" | "halves" (portable) | "asm" | "asm_e4m3", "asm_fma" (gemv) (PTX, GPU only)
   engine: str = "tensorcore"  # "tensorcore" | "gemv" | "mosaic" (experimental)
   prefetch: int = 0  # gemv: K trips whose weights are loaded ahead of the math (True = 1; see nvfp4_gemv)
   programs_per_sm: int = 2  # the automatic split's goal: this many programs per SM (``fit``)
@@ -166,8 +169,8 @@ def fit(cfg: Nvfp4MatmulConfig, direction: str, m: int, k: int, n: int, *,
     even = _plan_split(cfg, tiles, k, n, block_n, block_k_max, direction, target, auto_split, False)
     if even[1] >= split:
       block_k, split = even
-  # The e4m3-route PTX decoder is the gemv's; a tile kernel decodes the same weights with "asm".
-  dequant = "asm" if cfg.dequant == "asm_e4m3" and engine != "gemv" else cfg.dequant
+  # The e4m3-route PTX decoders are the gemv's; a tile kernel decodes the same weights with "asm".
+  dequant = "asm" if cfg.dequant in GEMV_DECODERS and engine != "gemv" else cfg.dequant
   # "halves" contracts block_k / 2 columns per dot, and Triton's dots need at least 16.
   dequant = "jnp" if dequant in HALVES_DECODERS and block_k < 32 else dequant
   half = cfg.half_products and engine == "gemv" and dequant in ("asm_e4m3", "jnp")

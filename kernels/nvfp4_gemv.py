@@ -177,6 +177,8 @@ def _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_r
     elif dequant == "asm_e4m3":  # E2M1 / 64 exactly, in f16 from inline PTX on whole words; scaled per block
       s_NxB = s_NxB.astype(jnp.float32)
       lo, hi = (plane if half else plane.astype(jnp.float32) for plane in nvfp4_tile.dequant_e4m3_asm(p_NxBx8))
+    elif dequant == "asm_fma":  # the same decode and each byte's two products, in one PTX block per word
+      s_NxB = s_NxB.astype(jnp.float32)
     else:  # E2M1 / 64 exactly (see nvfp4_tile): the hardware e4m3 conversion does the decode
       s_NxB = s_NxB.astype(jnp.float32)
       lo_bits, hi_bits = nvfp4_tile.nibbles_to_e4m3_bits(p_NxBx8)
@@ -190,7 +192,11 @@ def _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_r
       xo_Bx8 = x_ref[row, 1, blocks(i), :]
       if half:  # x times the row's 2**e, in float16 (the accumulator's sum takes 2**-e at the end)
         xe_Bx8, xo_Bx8 = ((plane * x_powers[r][0]).astype(jnp.float16) for plane in (xe_Bx8, xo_Bx8))
-      prod_NxBx8 = lo * xe_Bx8[None] + hi * xo_Bx8[None]
+      if dequant == "asm_fma":
+        prod_NxBx8 = nvfp4_tile.e4m3_products_asm(
+            p_NxBx8, *(jnp.broadcast_to(plane[None], p_NxBx8.shape) for plane in (xe_Bx8, xo_Bx8)))
+      else:
+        prod_NxBx8 = lo * xe_Bx8[None] + hi * xo_Bx8[None]
       # lax.reduce keeps a float16 sum in float16 (jnp.sum would add in float32, converting every product).
       block_sums_NxB = jax.lax.reduce(prod_NxBx8, np.zeros((), prod_NxBx8.dtype), jax.lax.add, (2,)).astype(
           jnp.float32)

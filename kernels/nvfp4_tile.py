@@ -148,10 +148,10 @@ cvt.rn.f16x2.e4m3x2 $1, e1;
 }}"""
 
 
-_ASM_E4M3 = {  # half -> PTX: the low nibble's bits 2..0 move up 2 and its sign (bit 3) up 4; the high's down 2
-  "lo": _ptx_e4m3("shl.b32 e, $2, 2;", "shl.b32 s, $2, 4;"),
-  "hi": _ptx_e4m3("shr.b32 e, $2, 2;", "mov.b32 s, $2;"),
-}
+# The e4m3 route of one nibble plane of the packed word {w} into e (bits) and s (signs), as in _ptx_e4m3.
+_E4M3_PLANE = {"lo": ("shl.b32 e, {w}, 2;", "shl.b32 s, {w}, 4;"), "hi": ("shr.b32 e, {w}, 2;", "mov.b32 s, {w};")}
+# half -> PTX: the low nibble's bits 2..0 move up 2 and its sign (bit 3) up 4; the high's down 2
+_ASM_E4M3 = {half: _ptx_e4m3(*(step.format(w="$2") for step in steps)) for half, steps in _E4M3_PLANE.items()}
 
 
 def dequant_e4m3_asm(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -162,6 +162,50 @@ def dequant_e4m3_asm(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
   return tuple(plgpu.elementwise_inline_asm(
       _ASM_E4M3[half], args=[packed], constraints="=r,=r,r", pack=4,
       result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.float16)])[0] for half in ("lo", "hi"))
+
+
+def _ptx_e4m3_products() -> str:
+  """PTX for 4 packed bytes ($4) and the x values of their low nibbles ($5..$8) and high ones ($9..$12), all
+  float32 -> per byte lo * x_lo + hi * x_hi ($0..$3, float32), lo and hi being E2M1 / 64 from the e4m3 route
+  (the planes decoded as in ``_ASM_E4M3``, then each 16-bit value widened to float32).
+
+  Why in PTX: compiled by XLA, the gemv's ``lo * xe + hi * xo`` stays a multiply and an add (ncu on an H200,
+  7B gate at one row, 276b6ce: 0 fused of 4.4M float32 instructions), where one multiply and one fused
+  multiply-add per byte do: 1.5 instead of 2 float32 instructions per weight with the block sums' adds."""
+  planes = []
+  for half, (out01, out23) in (("lo", ("l01", "l23")), ("hi", ("h01", "h23"))):
+    em, sign = (step.format(w="$4") for step in _E4M3_PLANE[half])
+    planes.append(f"""{em} and.b32 e, e, 0x1C1C1C1C;
+{sign} and.b32 s, s, 0x80808080;
+or.b32 e, e, s;
+mov.b32 {{e0, e1}}, e;
+cvt.rn.f16x2.e4m3x2 {out01}, e0;
+cvt.rn.f16x2.e4m3x2 {out23}, e1;""")
+  products = "\n".join(f"cvt.f32.f16 fl, c{i}; cvt.f32.f16 fh, d{i}; mul.rn.f32 ${i}, fh, ${9 + i}; "
+                       f"fma.rn.f32 ${i}, fl, ${5 + i}, ${i};" for i in range(4))
+  return f"""{{
+.reg .b32 e, s, l01, l23, h01, h23;
+.reg .b16 e0, e1, c0, c1, c2, c3, d0, d1, d2, d3;
+.reg .f32 fl, fh;
+{planes[0]}
+{planes[1]}
+mov.b32 {{c0, c1}}, l01; mov.b32 {{c2, c3}}, l23;
+mov.b32 {{d0, d1}}, h01; mov.b32 {{d2, d3}}, h23;
+{products}
+}}"""
+
+
+_ASM_E4M3_PRODUCTS = _ptx_e4m3_products()
+
+
+def e4m3_products_asm(packed: jax.Array, x_lo: jax.Array, x_hi: jax.Array) -> jax.Array:
+  """Per packed byte, lo * x_lo + hi * x_hi in float32 (lo, hi: its nibbles as E2M1 / 64), by inline PTX (GPU
+  only). x_lo, x_hi: float32 of packed's shape (each byte's two x values)."""
+  from jax.experimental.pallas import triton as plgpu  # pylint: disable=import-outside-toplevel
+
+  return plgpu.elementwise_inline_asm(
+      _ASM_E4M3_PRODUCTS, args=[packed, x_lo, x_hi], constraints="=f,=f,=f,=f,r," + ",".join(["f"] * 8), pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.float32)])[0]
 
 
 def decode_halves(dequant: str):
@@ -249,9 +293,9 @@ def drop_poison_refs(kernel, count: int, *refs):
 
 def decoder(dequant: str, interpret: bool) -> str:
   """The decoder a launch uses: inline PTX cannot run in interpret mode, which decodes the same layout and
-  values with jnp ("halves" for "asm"; the e4m3 route, "jnp", for "asm_e4m3")."""
+  values with jnp ("halves" for "asm"; the e4m3 route, "jnp", for "asm_e4m3" and "asm_fma")."""
   if interpret:
-    return {"asm": "halves", "asm_e4m3": "jnp"}.get(dequant, dequant)
+    return {"asm": "halves", "asm_e4m3": "jnp", "asm_fma": "jnp"}.get(dequant, dequant)
   return dequant
 
 

@@ -509,6 +509,76 @@ def test_asm_e4m3_decoder_bit_logic_in_numpy(request):
   assert nvfp4_tile.output_multiplier(jnp.float32(2.0), "asm_e4m3") == 32.0  # E2M1 / 64: the jnp route's
 
 
+def _run_ptx(ptx: str, operands: dict) -> dict:
+  """A NumPy interpreter for the PTX subset of the gemv's inline asm (32-bit words as uint64 masked to 32 bits,
+  16-bit halves as uint16 bits, float32 as np.float32): runs ``ptx`` on ``operands`` ({"$4": ..., ...}, each an
+  array of one value per asm instance) and returns every register. What it cannot read raises."""
+  regs = dict(operands)
+  mask32 = np.uint64(0xFFFFFFFF)
+
+  def val(tok):
+    return np.uint64(int(tok, 0)) if tok[0].isdigit() else regs[tok]
+
+  for stmt in (t.strip().lstrip("{").rstrip("}").strip() for t in ptx.split(";")):
+    if not stmt or stmt.startswith(".reg"):
+      continue
+    op, args = stmt.split(None, 1)
+    halves = re.fullmatch(r"\{(\w+), (\w+)\}, (\S+)", args)
+    if op == "mov.b32" and halves:  # a word split into its 16-bit halves, the low half first
+      word = val(halves.group(3))
+      regs[halves.group(1)], regs[halves.group(2)] = word & np.uint64(0xFFFF), word >> np.uint64(16)
+      continue
+    dst, *src = [a.strip() for a in args.split(",")]
+    if op in ("shl.b32", "shr.b32", "and.b32", "or.b32"):
+      a, b = val(src[0]), val(src[1])
+      out = {"shl.b32": a << b, "shr.b32": a >> b, "and.b32": a & b, "or.b32": a | b}[op]
+      regs[dst] = out & mask32
+    elif op == "mov.b32":
+      regs[dst] = val(src[0])
+    elif op == "cvt.rn.f16x2.e4m3x2":  # two e4m3 bytes -> two float16 (the low byte -> the low half), exact
+      pair = val(src[0])
+      f16 = [((pair >> np.uint64(shift)) & np.uint64(0xFF)).astype(np.uint8).view(ml_dtypes.float8_e4m3fn)
+             .astype(np.float16).view(np.uint16).astype(np.uint64) for shift in (0, 8)]
+      regs[dst] = f16[0] | (f16[1] << np.uint64(16))
+    elif op == "cvt.f32.f16":
+      regs[dst] = val(src[0]).astype(np.uint16).view(np.float16).astype(np.float32)
+    elif op == "mul.rn.f32":
+      regs[dst] = (val(src[0]) * val(src[1])).astype(np.float32)
+    elif op == "fma.rn.f32":  # the exact product and sum, rounded once
+      regs[dst] = (val(src[0]).astype(np.float64) * val(src[1]) + val(src[2])).astype(np.float32)
+    else:
+      raise NotImplementedError(stmt)
+  return regs
+
+
+def test_asm_fma_products_ptx_in_numpy(request):
+  """Runs the gemv's decode-and-multiply PTX (``nvfp4_tile._ASM_E4M3_PRODUCTS``) in a NumPy interpreter on words
+  of four random bytes (every byte value present) and random x: output $i must be byte i's
+  E2M1[lo] / 64 * x_lo[i] + E2M1[hi] / 64 * x_hi[i] (x_lo in $5..$8, x_hi in $9..$12), the product of the high
+  nibble rounded once and added to the low one's in a fused multiply-add. A wrong shift, mask, byte order or
+  operand number fails."""
+  from kernels import nvfp4_tile
+
+  rng = _rng(request)
+  bytes_Wx4 = np.concatenate([np.arange(256, dtype=np.uint8).reshape(64, 4),
+                              rng.integers(0, 256, (64, 4), dtype=np.uint8)])
+  x_lo, x_hi = (rng.standard_normal((len(bytes_Wx4), 4)).astype(np.float32) for _ in range(2))
+  operands = {"$4": bytes_Wx4.view("<u4")[:, 0].astype(np.uint64)}
+  operands.update({f"${5 + i}": x_lo[:, i] for i in range(4)})
+  operands.update({f"${9 + i}": x_hi[:, i] for i in range(4)})
+  regs = _run_ptx(nvfp4_tile._ASM_E4M3_PRODUCTS, operands)
+  lo, hi = (E2M1[nib.astype(np.int64)] / nvfp4_tile.CODE_DIVISOR for nib in (bytes_Wx4 & 15, bytes_Wx4 >> 4))
+  for i in range(4):
+    hi_product = (hi[:, i] * x_hi[:, i]).astype(np.float32)  # exact E2M1 / 64 times float32, rounded once
+    want = (lo[:, i] * x_lo[:, i] + hi_product.astype(np.float64)).astype(np.float32)
+    np.testing.assert_array_equal(regs[f"${i}"], want, err_msg=f"byte {i}")
+  # The decode steps are the e4m3 decoder's (whose bit logic the test above checks), on operand $4.
+  for half, steps in nvfp4_tile._E4M3_PLANE.items():
+    for step in steps:
+      assert step.format(w="$2") in nvfp4_tile._ASM_E4M3[half] and step.format(w="$4") in (
+          nvfp4_tile._ASM_E4M3_PRODUCTS)
+
+
 def test_quantized_bf16_weight_fwd_and_grad_match_reference(request):
   """End to end on a real quantization (qerl_jax.quant.quantize) of a random bf16 weight."""
   from qerl_jax import quant
@@ -555,6 +625,7 @@ def _dispatch_configs(kind):
     "asm-gemv": (Nvfp4MatmulConfig(**gemv, dequant="asm"), None),
     # The e4m3-route PTX is the gemv's; interpret mode runs the jnp route (same values); a tile config gets "asm".
     "asm_e4m3-gemv": (Nvfp4MatmulConfig(**gemv, dequant="asm_e4m3"), Nvfp4MatmulConfig(**tile, dequant="asm_e4m3")),
+    "asm_fma-gemv": (Nvfp4MatmulConfig(**gemv, dequant="asm_fma"), Nvfp4MatmulConfig(**tile, dequant="asm_fma")),
     # The gemv loading each K trip's weights one trip ahead (block_k 32: K = 128 takes four trips).
     "gemv-prefetch": (Nvfp4MatmulConfig(**gemv, prefetch=True), None),
     # float16 block sums (``half_products``): a gemv forward; the backward is the tile kernel's.
@@ -562,8 +633,8 @@ def _dispatch_configs(kind):
   }[kind]
 
 
-@pytest.mark.parametrize("kind", ["halves", "gemv", "asm", "asm-gemv", "asm_e4m3-gemv", "gemv-prefetch",
-                                  "gemv-half"])
+@pytest.mark.parametrize("kind", ["halves", "gemv", "asm", "asm-gemv", "asm_e4m3-gemv", "asm_fma-gemv",
+                                  "gemv-prefetch", "gemv-half"])
 def test_decoders_and_engines_through_dispatch_and_grad(request, kind):
   fwd_config, bwd_config = _dispatch_configs(kind)
   rng = _rng(request)
@@ -589,6 +660,9 @@ def test_gemv_engine_applies_to_few_row_forwards_only():
   assert config_lib.fit(e4m3, "fwd", 1, 128, 64).dequant == "asm_e4m3"
   assert config_lib.fit(e4m3, "fwd", config_lib.GEMV_MAX_ROWS + 1, 128, 64).dequant == "asm"
   assert config_lib.fit(e4m3, "bwd", 1, 128, 64).dequant == "asm"
+  fma = dataclasses.replace(gemv, dequant="asm_fma")
+  assert config_lib.fit(fma, "fwd", 1, 128, 64).dequant == "asm_fma"
+  assert config_lib.fit(fma, "fwd", config_lib.GEMV_MAX_ROWS + 1, 128, 64).dequant == "asm"
   with pytest.raises(ValueError, match="engine='simt' must be one of"):
     Nvfp4MatmulConfig(engine="simt")
 
@@ -679,6 +753,9 @@ _LOWERING_CASES = {  # name -> (direction, config, with the epilogue)
                                                  num_warps=8), True),
   "fwd-gemv-asm_e4m3-xa": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=32, split=3, engine="gemv",
                                                     dequant="asm_e4m3"), "xa"),
+  "fwd-gemv-asm_fma": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv", dequant="asm_fma"), True),
+  "fwd-gemv-asm_fma-xa": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=32, split=3, engine="gemv", dequant="asm_fma",
+                                                   prefetch=1), "xa"),
   "fwd-gemv-asm_e4m3-half": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv", dequant="asm_e4m3",
                                                       half_products=True, prefetch=1), False),
   "fwd-gemv-asm_e4m3-half-xa": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=32, split=3, engine="gemv",
@@ -732,3 +809,6 @@ def test_kernels_lower_to_triton_for_cuda(case):
   # passes it on, and only the GPU compile would reject it.
   module = printed.getvalue()
   assert "module @" in module and '"builtin.module"' not in module, module[-3000:]
+  if cfg.dequant == "asm_fma":  # the Triton module carries the PTX that forms the products
+    asm_ops = re.findall(r'tt\.elementwise_inline_asm "([^"]*)"', module)
+    assert any("fma.rn.f32" in op and "cvt.rn.f16x2.e4m3x2" in op for op in asm_ops), module[-3000:]
