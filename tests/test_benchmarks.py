@@ -376,3 +376,9 @@ def test_probe_gemv_loads_checks_every_probe_reads_every_byte(tmp_path, monkeypa
   monkeypatch.setattr(probe_gemv_loads, "probe", lambda name, packed, *a, **kw: real(name, packed, *a, **kw)[:-1])
   with pytest.raises(AssertionError, match="skipped or re-read"):
     probe_gemv_loads.check_probes(probe_gemv_loads._weights(512, 64, 1)[0], interpret=True)
+
+
+def test_ncu_gemv_harness_runs_both_kernels(capsys):
+  from experiments import ncu_gemv
+  ncu_gemv.main(["--shape", "tiny", "--interpret"])
+  assert "tiny: y (1, 64) bfloat16" in capsys.readouterr().out

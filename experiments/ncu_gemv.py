@@ -1,0 +1,47 @@
+"""One launch of the shipped gemv (7B gate, one row) and of its load-only probe, for Nsight Compute.
+
+    ncu --clock-control none --kernel-name regex:"gemv|probe" --launch-count 4 \
+        --section SpeedOfLight --section SchedulerStats --section InstructionStats --section WarpStateStats \
+        python3 experiments/ncu_gemv.py > $OUT/ncu.txt
+
+(ncu reads the H200's counters on the Firecracker machines: KINDS.md in the device tool's folder.) Each kernel
+runs twice, so the second launch of each is past compilation and autotuning. The records it gave are in
+experiments/results/ncu_gemv_*.txt and summarized in RESULTS.md ("Where the one-row gemv's time goes").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from experiments.probe_gemv_loads import PROBES, SHAPES, probe  # noqa: E402
+from kernels import nvfp4_matmul  # noqa: E402
+from qerl_jax.quant import quantize  # noqa: E402
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--shape", default="qwen2.5-7b.gate", choices=SHAPES)
+  parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU smoke run)")
+  args = parser.parse_args(argv)
+  k, n = SHAPES[args.shape]
+  q = quantize(jax.random.normal(jax.random.key(0), (k, n), jnp.bfloat16), "nvfp4")
+  x = jax.random.normal(jax.random.key(1), (1, k), jnp.bfloat16)
+  gemv = jax.jit(lambda x, q: nvfp4_matmul(x, q, interpret=args.interpret))
+  scale_u8 = jax.lax.bitcast_convert_type(q.scale_NxKb, jnp.uint8)
+  load_only = jax.jit(lambda p, s: probe("tile16x256", p, s, jnp.zeros((1,), jnp.int32), interpret=args.interpret,
+                                         **PROBES["tile16x256"]))
+  for _ in range(2):
+    y = gemv(x, q).block_until_ready()
+    load_only(q.packed_NxKh, scale_u8).block_until_ready()
+  print(f"{args.shape}: y {y.shape} {y.dtype}")
+
+
+if __name__ == "__main__":
+  main()
