@@ -142,6 +142,9 @@ GEMV_CANDIDATES += [_C(block_n=bn, block_k=256, num_warps=w, num_stages=3, engin
 # load-only kernels read the weight in 12.6-13.9 us in every tile pattern, against 20.3 for the gemv, and XLA's
 # bf16 gemv streams 4.1 TB/s. The gemv keeps one trip in flight per program (16 bytes of codes per thread at
 # 16/256 with 4 warps, 10 programs per SM); these load 32-64 bytes per thread per trip, or two trips ahead.
+# Timed at 0d9c40a (7B, 1 row, --trace), the best against the tuned config: gate -3% (32/256), down -7% (64/256,
+# 8 warps), q -6% (16/512), kv -5% (32/128); two trips ahead 1.1-1.5x slower. Bytes per thread are not what
+# holds the gemv at ~20 us (RESULTS.md, "Where the one-row gemv's time goes").
 GEMV_SETS = {"all": GEMV_CANDIDATES,
              "in_flight": [_C(block_n=bn, block_k=bk, num_warps=w, num_stages=3, engine="gemv", prefetch=pf,
                               dequant="asm_e4m3", programs_per_sm=8)

@@ -72,10 +72,11 @@ CHILD = textwrap.dedent(r"""
     thread.join()
     return model, max(peak[0], rss()) - base
 
-  # Two measured loads, the smaller increase kept: allocations of the process unrelated to loading (a busy
-  # machine's allocator arenas) can only add to one of them.
+  # Three measured loads, the smallest increase kept: allocations of the process unrelated to loading (a busy
+  # machine's allocator arenas) can only add to a measurement. Under a full two-core suite run two loads
+  # still measured 86.6 MB against the 80.8 MB bound once (the test alone: 67-75 MB), hence a third.
   increases = []
-  for _ in range(2):
+  for _ in range(3):
     del model
     model, increase = measured_load()
     increases.append(increase)
