@@ -3,6 +3,7 @@
   python3 -m experiments.tuning_variant --entry fwd:2 --set dequant=asm_e4m3 prefetch=0 num_warps=8 \
       --out /tmp/e4m3.json
   QERL_KERNEL_TUNING=/tmp/e4m3.json python3 experiments/profile_decode.py --quants nvfp4 --batches 1 ...
+  python3 -m experiments.tuning_variant --entry fwd:1 --shapes 18944x3584 --set block_n=64 num_warps=8 --out ...
 
 The way to try a tuning in the model (profile_decode, bench_rollout) against the unchanged file in the same
 GPU call, without editing ``kernels/tuning``. Values are parsed as JSON where they parse (8, true, 0.5), else
@@ -18,17 +19,33 @@ import sys
 from kernels import config as config_lib
 
 
-def variant(tuning: dict, direction: str, max_rows: int, changes: dict) -> dict:
-  """``tuning`` with ``changes`` applied to the config of its (direction, max_rows) entry."""
+def variant(tuning: dict, direction: str, max_rows: int, changes: dict, shapes: list | None = None) -> dict:
+  """``tuning`` with ``changes`` applied to the config of its (direction, max_rows) entry for every shape; with
+  ``shapes`` ([K, N] pairs) that entry stays and a changed copy restricted to those shapes goes before it."""
   out = json.loads(json.dumps(tuning))
-  entries = [e for e in out["entries"] if e["direction"] == direction and e["max_rows"] == max_rows]
-  if len(entries) != 1:
-    have = sorted((e["direction"], e["max_rows"]) for e in out["entries"])
-    raise ValueError(f"no single entry {direction}:{max_rows} in the tuning file; it has {have}")
-  entries[0]["config"].update(changes)
-  entries[0]["source"] = f"variant of the tuned entry: {changes}"
-  config_lib.Nvfp4MatmulConfig(**entries[0]["config"])  # a bad field or value fails here, naming itself
+  general = [i for i, e in enumerate(out["entries"])
+             if e["direction"] == direction and e["max_rows"] == max_rows and e.get("shapes") is None]
+  if len(general) != 1:
+    have = sorted((e["direction"], e["max_rows"]) for e in out["entries"] if e.get("shapes") is None)
+    raise ValueError(f"no single entry {direction}:{max_rows} for every shape in the tuning file; it has {have}")
+  entry = out["entries"][general[0]]
+  if shapes:
+    entry = json.loads(json.dumps(entry))
+    entry["shapes"] = [list(kn) for kn in shapes]
+    out["entries"].insert(general[0], entry)
+  entry["config"].update(changes)
+  entry["source"] = f"variant of the tuned entry: {changes}" + (f" for shapes {entry['shapes']}" if shapes else "")
+  config_lib.Nvfp4MatmulConfig(**entry["config"])  # a bad field or value fails here, naming itself
   return out
+
+
+def parse_shape(text: str) -> list[int]:
+  """ "18944x3584" -> [18944, 3584] (K x N, as bench_kernels names a weight)."""
+  try:
+    k, n = (int(v) for v in text.lower().split("x"))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"a shape is KxN, e.g. 18944x3584, got {text!r}") from None
+  return [k, n]
 
 
 def _value(text: str):
@@ -43,16 +60,19 @@ def main(argv=None) -> int:
   p.add_argument("--device", default="NVIDIA H200", help="the device kind whose tuning file to start from")
   p.add_argument("--entry", required=True, help="direction:max_rows of the entry to change, e.g. fwd:2")
   p.add_argument("--set", nargs="+", required=True, metavar="FIELD=VALUE")
+  p.add_argument("--shapes", nargs="+", type=parse_shape, metavar="KxN",
+                 help="change a copy of the entry that applies to these weight shapes only (put before it)")
   p.add_argument("--out", required=True)
   args = p.parse_args(argv)
   direction, max_rows = args.entry.split(":")
   changes = {k: _value(v) for k, v in (item.split("=", 1) for item in args.set)}
   tuning = config_lib._read_json(config_lib._device_file(args.device))  # pylint: disable=protected-access
-  out = variant(tuning, direction, int(max_rows), changes)
+  out = variant(tuning, direction, int(max_rows), changes, args.shapes)
   with open(args.out, "w") as f:
     json.dump(out, f, indent=1)
   config_lib._read_json(args.out)  # pylint: disable=protected-access  # loads as the kernels would
-  print(f"{args.out}: the {args.device} file with {direction}:{max_rows} changed by {changes}")
+  where = f" for shapes {args.shapes}" if args.shapes else ""
+  print(f"{args.out}: the {args.device} file with {direction}:{max_rows} changed by {changes}{where}")
   return 0
 
 

@@ -251,11 +251,18 @@ def _tuning_file(device_kind: str) -> dict:
   return _read_json(override or _device_file(device_kind))
 
 
-@functools.lru_cache(maxsize=None)
 def _read_json(path: str) -> dict:
-  """A tuning file, checked once: a bad one fails here, naming itself, not later inside a trace."""
+  """A tuning file, checked once per version of it: a bad one fails here, naming itself, not later inside a
+  trace. The cache is keyed on the file's modification time, so a file rewritten in place (a notebook trying a
+  variant through QERL_KERNEL_TUNING) is read again."""
   if not os.path.exists(path):
     return {}
+  return _read_json_version(path, os.stat(path).st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=None)
+def _read_json_version(path: str, mtime_ns: int) -> dict:
+  del mtime_ns  # the cache key only
   with open(path) as f:
     try:
       data = json.load(f)
@@ -268,6 +275,11 @@ def _read_json(path: str) -> dict:
         or not isinstance(e.get("config"), dict)):
       raise ValueError(f"{where}: needs \"direction\" fwd|bwd, an integer \"max_rows\" and a \"config\" "
                        f"object, got {e}")
+    shapes = e.get("shapes")
+    if shapes is not None and (not isinstance(shapes, list) or not shapes or not all(
+        isinstance(kn, list) and len(kn) == 2 and all(isinstance(v, int) and v > 0 for v in kn) for kn in shapes)):
+      raise ValueError(f"{where}: \"shapes\" must be a non-empty list of [K, N] pairs of positive integers, "
+                       f"got {shapes!r}")
     unknown = set(e["config"]) - fields
     if unknown:
       raise ValueError(f"{where}: unknown config fields {sorted(unknown)} (known: {sorted(fields)})")
@@ -279,8 +291,10 @@ def _read_json(path: str) -> dict:
 
 
 def load_tuning(device_kind: str) -> tuple:
-  """The tuned entries for a device kind (empty when there is no file)."""
-  return tuple((e["direction"], int(e["max_rows"]), tuple(sorted(e["config"].items())))
+  """The tuned entries for a device kind (empty when there is no file): (direction, max_rows, config items,
+  shapes), shapes a frozenset of (K, N) the entry is restricted to, or None for every shape."""
+  return tuple((e["direction"], int(e["max_rows"]), tuple(sorted(e["config"].items())),
+                None if e.get("shapes") is None else frozenset(tuple(kn) for kn in e["shapes"]))
                for e in _tuning_file(device_kind).get("entries", ()))
 
 
@@ -297,11 +311,15 @@ def xla_min_rows(device_kind: str | None) -> int | None:
 
 def get_config(direction: str, m: int, k: int, n: int, device_kind: str | None = None,
                num_sms: int = _DEFAULT_NUM_SMS) -> Nvfp4MatmulConfig:
-  """Tuned config for the device kind when one covers the shape, else the heuristic one."""
+  """Tuned config for the device kind when one covers the shape, else the heuristic one.
+
+  The first entry of the tuning file for the direction whose max_rows covers m and, if it names "shapes"
+  ([K, N] pairs), whose shapes include (k, n): per-shape entries go before the row count's general one (the
+  best gemv at one row differs between 7B down and q, and the 256-row backward tile between gate_up and o)."""
   base = heuristic_config(direction, m, k, n, num_sms=num_sms)
   if device_kind:
-    for d, max_rows, items in load_tuning(device_kind):
-      if d == direction and m <= max_rows:
+    for d, max_rows, items, shapes in load_tuning(device_kind):
+      if d == direction and m <= max_rows and (shapes is None or (k, n) in shapes):
         tuned = dict(items)
         auto = "split" not in tuned
         cfg = dataclasses.replace(base, **tuned)

@@ -320,7 +320,7 @@ def test_kernel_sass_lowers_only_the_ptx_version_line():
     kernel_sass.ptx_at_version(".target sm_90a\n", "8.8")
 
 
-def test_tuning_variant_changes_one_entry_and_refuses_bad_ones(tmp_path):
+def test_tuning_variant_changes_one_entry_and_refuses_bad_ones(tmp_path, monkeypatch):
   # experiments.tuning_variant: the H200 file with one entry's fields changed, loadable as QERL_KERNEL_TUNING.
   from experiments import tuning_variant
   from kernels import config as config_lib
@@ -334,6 +334,18 @@ def test_tuning_variant_changes_one_entry_and_refuses_bad_ones(tmp_path):
   assert changed[0][1]["config"] == {**changed[0][0]["config"], "dequant": "asm_e4m3", "prefetch": 0, "num_warps": 8}
   with pytest.raises(ValueError, match="no single entry fwd:3"):
     tuning_variant.variant(base, "fwd", 3, {"num_warps": 8})
+  # --shapes: a changed copy for those shapes goes before the entry, which stays as it was for the others.
+  assert tuning_variant.main(["--entry", "fwd:1", "--shapes", "18944x3584", "--set", "block_n=64", "num_warps=8",
+                              "--out", str(out)]) == 0
+  got = json.load(open(out))
+  assert got["entries"][:4] == base["entries"][:4] and got["entries"][5:] == base["entries"][4:]
+  assert got["entries"][4]["shapes"] == [[18944, 3584]] and got["entries"][4]["config"] == {
+      **base["entries"][4]["config"], "block_n": 64, "num_warps": 8}
+  monkeypatch.setenv("QERL_KERNEL_TUNING", str(out))
+  assert config_lib.get_config("fwd", 1, 18944, 3584, "NVIDIA H200").block_n == 64
+  assert config_lib.get_config("fwd", 1, 3584, 3584, "NVIDIA H200").block_n == 16
+  with pytest.raises(SystemExit):
+    tuning_variant.main(["--entry", "fwd:1", "--shapes", "18944by3584", "--set", "block_n=64", "--out", str(out)])
   with pytest.raises(ValueError, match="dequant"):
     tuning_variant.variant(base, "fwd", 2, {"dequant": "nibbles"})
 

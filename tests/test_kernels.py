@@ -453,6 +453,26 @@ def test_tuning_file_override_by_environment(tmp_path, monkeypatch):
       config_lib.get_config("fwd", 1, 3584, 3584, "Any GPU")
 
 
+def test_tuning_entries_restricted_to_shapes_come_first_for_those_shapes_only(tmp_path, monkeypatch):
+  general = {"direction": "fwd", "max_rows": 1, "config": {"engine": "gemv", "block_n": 16, "block_k": 256,
+                                                           "num_warps": 4, "programs_per_sm": 8}}
+  down = {"direction": "fwd", "max_rows": 1, "shapes": [[18944, 3584], [4096, 512]],
+          "config": dict(general["config"], block_n=64, num_warps=8)}
+  path = tmp_path / "tuning.json"
+  path.write_text(json.dumps({"entries": [down, general]}))
+  monkeypatch.setenv("QERL_KERNEL_TUNING", str(path))
+  got = {kn: config_lib.get_config("fwd", 1, *kn, "Any GPU") for kn in [(18944, 3584), (4096, 512), (3584, 3584)]}
+  assert [(c.block_n, c.num_warps) for c in got.values()] == [(64, 8), (64, 8), (16, 4)]
+  # Past the entries' rows neither applies; the heuristic does.
+  assert config_lib.get_config("fwd", 2, 18944, 3584, "Any GPU") == config_lib.heuristic_config("fwd", 2, 18944, 3584)
+  for i, bad in enumerate(([18944, 3584], [[18944]], [[0, 3584]], [], [["18944", 3584]])):
+    path = tmp_path / f"bad{i}.json"
+    path.write_text(json.dumps({"entries": [dict(down, shapes=bad)]}))
+    monkeypatch.setenv("QERL_KERNEL_TUNING", str(path))
+    with pytest.raises(ValueError, match=r'entry 0: "shapes" must be a non-empty list of \[K, N\] pairs'):
+      config_lib.get_config("fwd", 1, 18944, 3584, "Any GPU")
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_asm_decoder_bit_logic_in_numpy(dtype):
   """Emulates the PTX decoder for all 256 bytes times every finite e4m3 block scale (its constants are read
