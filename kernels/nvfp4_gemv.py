@@ -3,13 +3,15 @@
 At 1-2 rows the tensor-core kernel spends its time decoding weights into a tile laid out for the MMA (and
 Triton's layout conversions around it) only to multiply them by a mostly empty operand. Here each decoded
 weight is used directly: it is multiplied by its x element in float32 and summed, as a matrix-vector
-product does. Three decoders: the e4m3 route (a few bit operations, half a hardware e4m3 -> 16-bit
+product does. Four decoders: the e4m3 route (a few bit operations, half a hardware e4m3 -> 16-bit
 conversion and one conversion to float32 per weight), inline PTX (``dequant="asm"``: the two nibble planes
-as bf16 E2M1 * scale, from bit operations and paired multiply-adds on packed words), and the e4m3 route in
+as bf16 E2M1 * scale, from bit operations and paired multiply-adds on packed words), the e4m3 route in
 inline PTX on whole packed words (``dequant="asm_e4m3"``: five bit operations and two conversions per four
-weights; the block scale multiplies each block's partial sum), then one fused multiply-add per weight and row. On an H200 at 1 row the e4m3 route was 2.1x faster than the tile kernel but
-still decode-bound (21-37% of the weight-streaming floor); each extra row adds a multiply-add and an x load
-per weight, so at 8 rows the tile kernel wins (experiments/RESULTS.md).
+weights; the block scale multiplies each block's partial sum), and that decode with each byte's two products
+in the same PTX (``dequant="asm_fma"``, the H200 default at 1-2 rows: XLA's compile of this kernel forms no
+fused multiply-add from the jnp products, so the PTX spells one out). On an H200 at 1 row the e4m3 route was
+2.1x faster than the tile kernel; each extra row adds its products and an x load per weight, so at 8 rows
+the tile kernel wins (experiments/RESULTS.md).
 
 Layout: the packed weight [N, K/2] is viewed as [N, K/16, 8] (one NVFP4 block of 16 logical columns per
 8 bytes; byte j of block b holds columns 16b + 2j in its low nibble and 16b + 2j + 1 in its high one), and x
