@@ -5,9 +5,9 @@
 At one row every gemv tuning tried reads 7B gate (3584 x 18944: 38 MB of codes and scales) in ~20 us on an H200
 (1.9 TB/s; kernels/NOTES.md item D), whatever its instruction count. Each probe here reads the same bytes in one
 access pattern and only sums them as integers, so its time is that pattern's load time. The peers in the same
-trace: XLA's sum over the packed codes (a reduction XLA streams near the copy rate), XLA's bf16 gemv on the
-weight's bf16 shape, and the shipped gemv. Device microseconds per call come from a profiler trace, over enough
-weight copies that none sits in L2.
+trace: XLA's sum over the same bytes, XLA's bf16 gemv on the weight's bf16 shape, and the shipped gemv.
+Device microseconds per call come from a profiler trace, over enough weight copies that none sits in L2.
+Measured at 276b6ce (RESULTS.md): every probe 12.6-13.9 us for 7B gate, XLA's sum 20.8, the gemv 20.3.
 """
 
 from __future__ import annotations
