@@ -129,29 +129,35 @@ def dequant_halves_asm(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype) -> 
       pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(packed_RxKh.shape, dtype)])[0] for half in ("lo", "hi"))
 
 
+# The e4m3 route of one nibble plane of the packed word {w} into e (bits) and s (signs): the low nibble's bits
+# 2..0 move up 2 and its sign (bit 3) up 4; the high's down 2.
+_E4M3_PLANE = {"lo": ("shl.b32 e, {w}, 2;", "shl.b32 s, {w}, 4;"), "hi": ("shr.b32 e, {w}, 2;", "mov.b32 s, {w};")}
+
+
+def _ptx_e4m3_plane(half: str, word: str, out01: str, out23: str) -> str:
+  """PTX lines: one nibble plane of the packed ``word`` as two pairs of f16 (``out01``: bytes 0, 1; ``out23``:
+  bytes 2, 3), through registers e, s (b32) and e0, e1 (b16) that the caller declares."""
+  em, sign = (step.format(w=word) for step in _E4M3_PLANE[half])
+  return f"""{em} and.b32 e, e, 0x1C1C1C1C;
+{sign} and.b32 s, s, 0x80808080;
+or.b32 e, e, s;
+mov.b32 {{e0, e1}}, e;
+cvt.rn.f16x2.e4m3x2 {out01}, e0;
+cvt.rn.f16x2.e4m3x2 {out23}, e1;"""
+
+
 # PTX for 4 packed bytes ($2) -> their 4 low (or high) nibbles as two pairs of f16 ($0, $1) equal to
 # E2M1[code] / 64 exactly: the e4m3 route of ``nibbles_to_e4m3_bits`` on all four bytes of a 32-bit word at
 # once (each byte's code to its e4m3 bits: sign to bit 7, exponent and mantissa bits to bits 4..2), then the
 # hardware's e4m3x2 -> f16x2 conversion, two bytes per instruction. Per 4 weights: 5 bit operations and 2
 # conversions, against 2 byte permutes, 10 bit operations and 4 paired multiplies for one ``_ptx`` plane,
 # and no block scale operand (the gemv multiplies its per-block sums by the scale instead).
-def _ptx_e4m3(em: str, sign: str) -> str:
-  return f"""{{
+# half -> that PTX.
+_ASM_E4M3 = {half: f"""{{
 .reg .b32 e, s;
 .reg .b16 e0, e1;
-{em} and.b32 e, e, 0x1C1C1C1C;
-{sign} and.b32 s, s, 0x80808080;
-or.b32 e, e, s;
-mov.b32 {{e0, e1}}, e;
-cvt.rn.f16x2.e4m3x2 $0, e0;
-cvt.rn.f16x2.e4m3x2 $1, e1;
-}}"""
-
-
-# The e4m3 route of one nibble plane of the packed word {w} into e (bits) and s (signs), as in _ptx_e4m3.
-_E4M3_PLANE = {"lo": ("shl.b32 e, {w}, 2;", "shl.b32 s, {w}, 4;"), "hi": ("shr.b32 e, {w}, 2;", "mov.b32 s, {w};")}
-# half -> PTX: the low nibble's bits 2..0 move up 2 and its sign (bit 3) up 4; the high's down 2
-_ASM_E4M3 = {half: _ptx_e4m3(*(step.format(w="$2") for step in steps)) for half, steps in _E4M3_PLANE.items()}
+{_ptx_e4m3_plane(half, "$2", "$0", "$1")}
+}}""" for half in _E4M3_PLANE}
 
 
 def dequant_e4m3_asm(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -173,15 +179,7 @@ def _ptx_e4m3_products() -> str:
   7B gate at one row, 0d9c40a: 0 fused of 4.42M float32 warp instructions), where one multiply and one fused
   multiply-add per byte do. With asm_fma ncu counted 1.06M fused + 2.30M others (2.08 -> 1.58 float32
   instructions per weight, block sums included) and the gemvs ran 2-8% faster (RESULTS.md)."""
-  planes = []
-  for half, (out01, out23) in (("lo", ("l01", "l23")), ("hi", ("h01", "h23"))):
-    em, sign = (step.format(w="$4") for step in _E4M3_PLANE[half])
-    planes.append(f"""{em} and.b32 e, e, 0x1C1C1C1C;
-{sign} and.b32 s, s, 0x80808080;
-or.b32 e, e, s;
-mov.b32 {{e0, e1}}, e;
-cvt.rn.f16x2.e4m3x2 {out01}, e0;
-cvt.rn.f16x2.e4m3x2 {out23}, e1;""")
+  planes = [_ptx_e4m3_plane("lo", "$4", "l01", "l23"), _ptx_e4m3_plane("hi", "$4", "h01", "h23")]
   products = "\n".join(f"cvt.f32.f16 fl, c{i}; cvt.f32.f16 fh, d{i}; mul.rn.f32 ${i}, fh, ${9 + i}; "
                        f"fma.rn.f32 ${i}, fl, ${5 + i}, ${i};" for i in range(4))
   return f"""{{
