@@ -178,7 +178,7 @@ def _ptx_e4m3_products() -> str:
   Why in PTX: compiled by XLA, the gemv's ``lo * xe + hi * xo`` stays a multiply and an add (ncu on an H200,
   7B gate at one row, 0d9c40a: 0 fused of 4.42M float32 warp instructions), where one multiply and one fused
   multiply-add per byte do. With asm_fma ncu counted 1.06M fused + 2.30M others (2.08 -> 1.58 float32
-  instructions per weight, block sums included) and the gemvs ran 2-8% faster (RESULTS.md)."""
+  instructions per weight, block sums included) and the gemvs ran 0-8% faster (RESULTS.md)."""
   planes = [_ptx_e4m3_plane("lo", "$4", "l01", "l23"), _ptx_e4m3_plane("hi", "$4", "h01", "h23")]
   products = "\n".join(f"cvt.f32.f16 fl, c{i}; cvt.f32.f16 fh, d{i}; mul.rn.f32 ${i}, fh, ${9 + i}; "
                        f"fma.rn.f32 ${i}, fl, ${5 + i}, ${i};" for i in range(4))
