@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels.config import split_trips
+from kernels.config import GEMV_DECODERS, split_trips
 
 # The decoded e4m3 value is E2M1 / CODE_DIVISOR.
 CODE_DIVISOR = 64.0
@@ -294,7 +294,7 @@ def decoder(dequant: str, interpret: bool) -> str:
   """The decoder a launch uses: inline PTX cannot run in interpret mode, which decodes the same layout and
   values with jnp ("halves" for "asm"; the e4m3 route, "jnp", for "asm_e4m3" and "asm_fma")."""
   if interpret:
-    return {"asm": "halves", "asm_e4m3": "jnp", "asm_fma": "jnp"}.get(dequant, dequant)
+    return "halves" if dequant == "asm" else "jnp" if dequant in GEMV_DECODERS else dequant
   return dequant
 
 

@@ -101,10 +101,9 @@ class ModelConfig:
   rollout_base_dtype: str = ""
   # NVFP4 projection groups that share an input ("qkv", "gate_up") run as one matmul launch inside a rollout,
   # as vLLM merges them at load time, but with no merged copy: the launch reads each member's weight in place,
-  # with its own global scale (`kernels.Nvfp4Group`). On an H200 at 173a23d (7B NVFP4, same call; then through
-  # a once-per-rollout concatenated copy of the weights, which the group replaced in the next commits: the same
-  # K loop in the SASS, untimed on a GPU since) this took the batch-1 rollout 286.3 -> 312.4 tok/s, batch 8
-  # 1640.3 -> 1775.1, and the 128-row decode step 12.72 -> 11.92 ms.
+  # with its own global scale (`kernels.Nvfp4Group`). On an H200 at 276b6ce (7B NVFP4, `profile_decode
+  # --merged-launches none auto`, same weights) this took the decode step 3.77 -> 3.45 ms at 1 row, 5.20 -> 4.94
+  # at 8 and 12.75 -> 12.20 at 128, against one launch per projection.
   # None (the default) merges both groups wherever they can be: an NVFP4 base read in place (not
   # rollout_base_dtype's copy) by decode_layers="unrolled". A tuple asks for exactly those groups (and refuses
   # the scan); () merges nothing.
