@@ -1,5 +1,6 @@
 """The decode-attention kernel (Pallas interpret mode) against the model's XLA attention on the same layer."""
 
+import functools
 import zlib
 
 import jax
@@ -7,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.decode_attention import decode_attention
+from kernels.decode_attention import decode_attention, decode_attention_update
 from qerl_jax.model import attention as attn
 
 
@@ -77,14 +78,58 @@ def test_decode_attention_lowers_to_triton_for_cuda():
   q, k, v, mask = _case("lowering", 2, 2, 28, 4, 64, 96, 80)
   f = lambda q, k, v, mask, n: decode_attention(q, k, v, jnp.int32(1), mask, num_visible=n, block_s=16)
   text = jax.jit(f).trace(q, k, v, mask, jnp.int32(40)).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("__gpu$xla.gpu.triton") == 1
+  assert text.count("__gpu$xla.gpu.triton") == 2  # the attention and the merge of its splits
+  k_new = k[0, :, 0]
+  g = lambda q, kn, vn, k, v, mask, n: decode_attention_update(q, kn, vn, k, v, jnp.int32(1), n, mask, block_s=16)
+  text = jax.jit(g).trace(q, k_new, k_new, k, v, mask, jnp.int32(40)).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 2
+  assert "output_operand_aliases" in text  # the caches are written in place
 
 
 @pytest.mark.parametrize("splits,merges", [(1, False), (3, True)])
 def test_one_split_leaves_nothing_to_merge(splits, merges):
-  # With one split per (row, kv head) the kernel's normalized output is the answer: no softmax over splits
-  # follows it (three small XLA kernels per layer on a GPU).
+  # With one split per (row, kv head) the kernel's normalized output is the answer; with more, a second
+  # kernel merges them, not XLA's softmax over the splits (~6 small kernels per layer on a GPU).
   q, k, v, mask = _case("one_split", 1, 2, 8, 2, 32, 96, 96)
   jaxpr = jax.make_jaxpr(lambda q: decode_attention(q, k, v, 0, mask, block_s=16, splits=splits, interpret=True))(q)
   outside = [e.primitive.name for e in jaxpr.jaxpr.eqns]
-  assert "pallas_call" in outside and ("exp" in outside or "reduce_max" in outside) == merges, outside
+  assert outside.count("pallas_call") == 1 + merges, outside
+  assert not {"exp", "reduce_max", "reduce_sum", "div"} & set(outside), outside
+
+
+@pytest.mark.parametrize("num_layers,layer,b,h,kvh,d,cache_len,seq,slot,block_s,splits", [
+  (3, 2, 2, 28, 4, 64, 200, 200, 130, 16, None),  # 7B's grouping, many splits, the slot mid-block
+  (2, 0, 3, 8, 8, 32, 96, 70, 64, 16, 2),  # the slot opens a block; only 70 of 96 slots are masked in
+  (1, 0, 1, 32, 2, 128, 48, 48, 0, 32, 1),  # the first slot: only the new token, one split
+  (2, 1, 2, 28, 4, 64, 80, 80, 79, 16, 3),  # the last slot
+])
+def test_update_is_a_cache_write_then_attention(request, num_layers, layer, b, h, kvh, d, cache_len, seq, slot,
+                                                block_s, splits):
+  q, k, v, mask = _case(request.node.name, num_layers, b, h, kvh, d, cache_len, seq)
+  rng = np.random.default_rng(zlib.crc32(request.node.name.encode()) + 2)
+  k_new, v_new = (jnp.asarray(rng.standard_normal((b, kvh, d)), jnp.bfloat16) for _ in range(2))
+  mask = np.asarray(mask).copy()
+  mask[:, slot + 1:] = False  # a decode step: nothing past the token's own slot
+  mask[:, slot] = True
+  mask[0, slot] = slot == 0  # row 0 cannot see its own slot (unless nothing else is visible to it)
+  mask[0, max(0, slot - 3):slot] = True
+  mask = jnp.asarray(mask)
+  # Stale values in the slot and NaN past it: the kernel must use k_new / v_new and read nothing later.
+  k, v = (a.at[:, :, slot].set(7.0).at[:, :, slot + 1:].set(jnp.nan) for a in (k, v))
+  want_k = k.at[layer, :, slot].set(k_new)
+  want_v = v.at[layer, :, slot].set(v_new)
+  want = attn.attend(q[:, None], want_k[layer, :, :slot + 1], want_v[layer, :, :slot + 1],
+                     mask[:, None, :slot + 1])[:, 0]
+  got, got_k, got_v = jax.jit(functools.partial(decode_attention_update, block_s=block_s, splits=splits,
+                                                interpret=True))(q, k_new, v_new, k, v, jnp.int32(layer),
+                                                                 jnp.int32(slot), mask)
+  np.testing.assert_array_equal(np.asarray(got_k, np.float32), np.asarray(want_k, np.float32))
+  np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32))
+  assert got.shape == (b, h * d) and np.isfinite(np.asarray(got, np.float32)).all()
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+
+
+def test_update_rejects_new_kv_of_the_wrong_shape():
+  q, k, v, mask = _case("bad_update", 1, 2, 8, 2, 32, 40, 40)
+  with pytest.raises(ValueError, match=r"new k \(2, 2, 16\).*\[B, Hkv, Dh\]"):
+    decode_attention_update(q, k[0, :, 0, :, :16], k[0, :, 0, :, :16], k, v, 0, 3, mask, interpret=True)

@@ -88,20 +88,23 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
   else:
     k_cache, v_cache = kv
     stacked = k_cache.ndim == 5  # [L, B, S, Hkv, Dh] and this layer's index, or this layer's [B, S, Hkv, Dh]
-    start = (layer, 0, cache_index, 0, 0) if stacked else (0, cache_index, 0, 0)
-    k_new, v_new = (k[None], v[None]) if stacked else (k, v)
-    k_cache = jax.lax.dynamic_update_slice(k_cache, k_new.astype(k_cache.dtype), start)
-    v_cache = jax.lax.dynamic_update_slice(v_cache, v_new.astype(v_cache.dtype), start)
-    kv = (k_cache, v_cache)
     on_gpu = jax.default_backend() == "gpu"
     if t == 1 and (config.decode_attention == "pallas" or config.decode_attention == "auto" and on_gpu):
-      # The kernel reads this layer's cache in place.
-      from kernels.decode_attention import decode_attention  # pylint: disable=import-outside-toplevel
+      # The kernel reads this layer's cache in place and writes the token's k and v into it.
+      from kernels.decode_attention import decode_attention_update  # pylint: disable=import-outside-toplevel
       k_stack, v_stack, index = (k_cache, v_cache, layer) if stacked else (k_cache[None], v_cache[None], 0)
       # Slots past this token's own are invisible to every row: their blocks are not read.
-      o = decode_attention(q[:, 0], k_stack, v_stack, index, mask_BxTxS[:, 0], num_visible=cache_index + 1,
-                           interpret=not on_gpu)[:, None]
+      o, k_stack, v_stack = decode_attention_update(q[:, 0], k[:, 0].astype(k_cache.dtype),
+                                                    v[:, 0].astype(v_cache.dtype), k_stack, v_stack, index,
+                                                    cache_index, mask_BxTxS[:, 0], interpret=not on_gpu)
+      o = o[:, None]
+      kv = (k_stack, v_stack) if stacked else (k_stack[0], v_stack[0])
     else:
+      start = (layer, 0, cache_index, 0, 0) if stacked else (0, cache_index, 0, 0)
+      k_new, v_new = (k[None], v[None]) if stacked else (k, v)
+      k_cache = jax.lax.dynamic_update_slice(k_cache, k_new.astype(k_cache.dtype), start)
+      v_cache = jax.lax.dynamic_update_slice(v_cache, v_new.astype(v_cache.dtype), start)
+      kv = (k_cache, v_cache)
       k_all = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False) if stacked else k_cache
       v_all = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False) if stacked else v_cache
       # The mask's slot count: all of the cache, or (static cache_index, e.g. a prefill) the slots these
