@@ -29,28 +29,28 @@ _MASKED = -0.7 * float(np.finfo(np.float32).max)
 _MIN_DOT_ROWS = 16  # Triton's tensor-core dots need at least 16 rows
 
 
-def decode_attention_kernel(*refs, batch: int, seq: int, cache_len: int, kv_heads: int, head_dim: int,
-                            block_s: int, blocks_per_split: int, update: bool):
+def decode_attention_kernel(*refs, batch: int, seq: int, cache_len: int, kv_heads: int, group: int, gp: int,
+                            head_dim: int, block_s: int, blocks_per_split: int, update: bool, q_dtype):
   """One (row, kv head) over one split of the slots, up to the last visible one.
 
-  refs: q_ref [B, Hkv, Gp, Dh]; layer_ref int32 [1]; visible_ref int32 [1] (slots from it on are invisible to
+  refs: rows_ref float32 [B, H (+ 2 Hkv with `update`) + Gp, Dh] (the query heads, then this token's k and v
+  heads, then zeros: one array, so XLA forms it in one kernel); layer_ref int32 [1]; visible_ref int32 [1] (slots from it on are invisible to
   every row: they are not read); mask_ref int32 [B, S] (nonzero: visible); k_ref, v_ref [L * B * cache_len,
-  Hkv * Dh] (the stacked cache, rows (l * B + b) * cache_len + s); with `update`, k_new_ref and v_new_ref
-  [B, Hkv, Dh] (this token's, for slot visible_ref[0]); then the outputs: o_ref float32 [splits, B, Hkv, Gp, Dh]
+  Hkv * Dh] (the stacked cache, rows (l * B + b) * cache_len + s); then the outputs: o_ref float32 [splits, B, Hkv, Gp, Dh]
   (this split's softmax-normalized output), lse_ref float32 [splits, B, Hkv, Gp] and, with `update`, the cache
   again (k_ref and v_ref's buffers, aliased), where split 0 writes the new slot.
   """
   if update:
-    q_ref, layer_ref, visible_ref, mask_ref, k_ref, v_ref, k_new_ref, v_new_ref, o_ref, lse_ref, k_out, v_out = refs
+    rows_ref, layer_ref, visible_ref, mask_ref, k_ref, v_ref, o_ref, lse_ref, k_out, v_out = refs
   else:
-    q_ref, layer_ref, visible_ref, mask_ref, k_ref, v_ref, o_ref, lse_ref = refs
+    rows_ref, layer_ref, visible_ref, mask_ref, k_ref, v_ref, o_ref, lse_ref = refs
   bh = pl.program_id(0)
   split = pl.program_id(1)
   b = bh // kv_heads
   h = bh % kv_heads
   layer = layer_ref[0]
-  gp = q_ref.shape[2]
-  q_GxD = plgpu.load(q_ref.at[b, h, pl.ds(0, gp), pl.ds(0, head_dim)])
+  q_GxD = plgpu.load(rows_ref.at[b, pl.ds(h * group, gp), pl.ds(0, head_dim)],
+                     mask=(jnp.arange(gp) < group)[:, None], other=0.0).astype(q_dtype)
   cache_row0 = (layer * batch + b) * cache_len
   cols = pl.ds(h * head_dim, head_dim)
   scale = head_dim ** -0.5
@@ -84,8 +84,8 @@ def decode_attention_kernel(*refs, batch: int, seq: int, cache_len: int, kv_head
   m_G, l_G, acc_GxD = jax.lax.fori_loop(0, blocks, body, init)
   if update:  # this token's own slot, from its k and v rather than the cache: split 0 adds it and stores it
     slot = visible_ref[0]
-    k_new_D = plgpu.load(k_new_ref.at[b, h, pl.ds(0, head_dim)])
-    v_new_D = plgpu.load(v_new_ref.at[b, h, pl.ds(0, head_dim)])
+    k_new_D = plgpu.load(rows_ref.at[b, kv_heads * group + h, pl.ds(0, head_dim)]).astype(k_out.dtype)
+    v_new_D = plgpu.load(rows_ref.at[b, kv_heads * (group + 1) + h, pl.ds(0, head_dim)]).astype(v_out.dtype)
     seen = jnp.max(plgpu.load(mask_ref.at[b, pl.ds(slot, 1)])) != 0
     score_G = jnp.sum(q_GxD.astype(jnp.float32) * k_new_D.astype(q_GxD.dtype).astype(jnp.float32)[None, :],
                       axis=1) * scale
@@ -162,22 +162,22 @@ def _attend(q_BxHxD, k_cache, v_cache, layer, mask_BxS, limit, new_kv, *, block_
   g = h // kvh
   gp = max(_MIN_DOT_ROWS, 1 << (g - 1).bit_length())
   splits, blocks_per_split = _split_plan(b, kvh, seq, block_s, splits)
-  q = q_BxHxD.reshape(b, kvh, g, d)
-  q = jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
   layer_1 = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
   limit_1 = jnp.reshape(jnp.asarray(limit, jnp.int32), (1,))
   k2 = k_cache.reshape(num_layers * b * cache_len, kvh * d)
   v2 = v_cache.reshape(num_layers * b * cache_len, kvh * d)
   kernel = functools.partial(decode_attention_kernel, batch=b, seq=seq, cache_len=cache_len, kv_heads=kvh,
-                             head_dim=d, block_s=block_s, blocks_per_split=blocks_per_split,
-                             update=new_kv is not None)
+                             group=g, gp=gp, head_dim=d, block_s=block_s, blocks_per_split=blocks_per_split,
+                             update=new_kv is not None, q_dtype=q_BxHxD.dtype)
   sp = 1 << (splits - 1).bit_length()  # the merge loads all splits as one power-of-two block
   out_shape = [jax.ShapeDtypeStruct((sp, b, kvh, gp, d), jnp.float32),
                jax.ShapeDtypeStruct((sp, b, kvh, gp), jnp.float32)]
-  inputs = [q, layer_1, limit_1, mask_BxS.astype(jnp.int32), k2, v2]
+  # float32 holds any activation or cache dtype exactly; k and v are rounded to the cache's, as a write would.
+  rows = [q_BxHxD] + ([] if new_kv is None else [y.astype(k2.dtype) for y in new_kv])
+  rows = jnp.concatenate([y.astype(jnp.float32) for y in rows] + [jnp.zeros((b, gp, d), jnp.float32)], axis=1)
+  inputs = [rows, layer_1, limit_1, mask_BxS.astype(jnp.int32), k2, v2]
   aliases = {}
   if new_kv is not None:
-    inputs += [y.astype(k2.dtype) for y in new_kv]  # stored as the cache's dtype, as a cache write would
     out_shape += [jax.ShapeDtypeStruct(k2.shape, k2.dtype), jax.ShapeDtypeStruct(v2.shape, v2.dtype)]
     aliases = {4: 2, 5: 3}  # the caches are written in place: one slot per (row, kv head)
   o_part, lse, *caches = pl.pallas_call(
