@@ -34,11 +34,12 @@ def decode_attention_kernel(*refs, batch: int, seq: int, cache_len: int, kv_head
   """One (row, kv head) over one split of the slots, up to the last visible one.
 
   refs: rows_ref float32 [B, H (+ 2 Hkv with `update`) + Gp, Dh] (the query heads, then this token's k and v
-  heads, then zeros: one array, so XLA forms it in one kernel); layer_ref int32 [1]; visible_ref int32 [1] (slots from it on are invisible to
-  every row: they are not read); mask_ref int32 [B, S] (nonzero: visible); k_ref, v_ref [L * B * cache_len,
-  Hkv * Dh] (the stacked cache, rows (l * B + b) * cache_len + s); then the outputs: o_ref float32 [splits, B, Hkv, Gp, Dh]
-  (this split's softmax-normalized output), lse_ref float32 [splits, B, Hkv, Gp] and, with `update`, the cache
-  again (k_ref and v_ref's buffers, aliased), where split 0 writes the new slot.
+  heads, then zeros: one array, so XLA forms it in one kernel); layer_ref int32 [1]; visible_ref int32 [1]
+  (slots from it on are invisible to every row: they are not read); mask_ref int32 [B, S] (nonzero: visible);
+  k_ref, v_ref [L * B * cache_len, Hkv * Dh] (the stacked cache, rows (l * B + b) * cache_len + s); then the
+  outputs: o_ref float32 [Sp, B, Hkv, Gp, Dh] (each split's softmax-normalized output; Sp is the splits rounded
+  up to a power of two), lse_ref float32 [Sp, B, Hkv, Gp] and, with `update`, the cache again (k_ref and v_ref's
+  buffers, aliased), where split 0 writes the new slot.
   """
   if update:
     rows_ref, layer_ref, visible_ref, mask_ref, k_ref, v_ref, o_ref, lse_ref, k_out, v_out = refs
@@ -229,7 +230,8 @@ def decode_attention_update(q_BxHxD: jax.Array, k_new_BxKxD: jax.Array, v_new_Bx
   The same as storing k_new, v_new [B, Hkv, Dh] at slot ``slot`` of layer ``layer`` (``dynamic_update_slice``)
   and then attending with ``num_visible=slot + 1``: slots after ``slot`` must be invisible in every row. Returns
   (out [B, H * Dh], k_cache, v_cache), the caches updated in place where the caller donates them. On a GPU
-  this saves XLA's two cache-writing kernels per layer (5.6 us at a 7B batch-1 step, 276b6ce profile).
+  this removes XLA's two cache-writing kernels per layer (5.6 us at a 7B batch-1 step); with the merge kernel
+  the step's kernel time fell 1.9% (aaa1393, experiments/RESULTS.md).
   """
   if k_new_BxKxD.shape != v_new_BxKxD.shape or k_new_BxKxD.shape != (k_cache.shape[1],) + k_cache.shape[3:]:
     raise ValueError(f"decode_attention_update: new k {k_new_BxKxD.shape} / v {v_new_BxKxD.shape} must be "
