@@ -71,10 +71,11 @@ def half_x_powers(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
 def nvfp4_gemv_kernel(x_ref, layer_ref, *refs, widths: tuple[int, ...], rows: int, block_n: int,
                       block_b: int, steps: int, split: int, dequant: str = "jnp",
                       epilogue: Epilogue = Epilogue(), prefetch: int = 0, xa: XaPlan | None = None,
-                      half: bool = False):
+                      half: bool = False, x_in_place: bool = False):
   """One block_n slice of y for every row, over one split of the K blocks.
 
-  x_ref f32 [M, 2, K/16, 8]; layer_ref int32 [1]; then per weight of ``widths`` (one, or a group's members
+  x_ref f32 [M, 2, K/16, 8] (``gemv_x_layout``), or with ``x_in_place`` x itself as [M, K/16, 8, 2] (x's dtype:
+  element [m, b, j, h] is x[m, 16b + 2j + h]); layer_ref int32 [1]; then per weight of ``widths`` (one, or a group's members
   along N: ``nvfp4_tile.group_operands``) packed_ref uint8 [L*N, K/16, 8], scale_ref e4m3 [L*N, K/16], gs_ref
   f32 [L] (rows layer*N .. layer*N + N are the weight); then the epilogue's refs (``nvfp4_epilogue``), then
   o_ref [M, sum of N] (x dtype) when split == 1, else float32 partials [split, M, sum of N].
@@ -98,7 +99,7 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, *refs, widths: tuple[int, ...], rows: in
     def member_block(member, pid_n, col_offset):
       _weight_block(x_ref, layer_ref, *weights[member], epi_refs, o_ref, pid_n, pid_s, n=widths[member],
                     col_offset=col_offset, rows=rows, block_n=block_n, block_b=block_b, steps=steps, split=split,
-                    dequant=dequant, epilogue=epilogue, prefetch=prefetch, half=half)
+                    dequant=dequant, epilogue=epilogue, prefetch=prefetch, half=half, x_in_place=x_in_place)
     nvfp4_tile.for_member(pid_w, widths, block_n, member_block)
 
   if xa is None:
@@ -107,7 +108,7 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, *refs, widths: tuple[int, ...], rows: in
 
   @pl.when(pid_n < xa.columns)
   def _():
-    _lora_xa_partials(x_ref, a_ref, xa_ref, pid_n * split + pid_s, rows=rows, plan=xa)
+    _lora_xa_partials(x_ref, a_ref, xa_ref, pid_n * split + pid_s, rows=rows, plan=xa, x_in_place=x_in_place)
 
   @pl.when(pid_n >= xa.columns)
   def _():
@@ -128,7 +129,15 @@ class XaPlan:
   rank: int
 
 
-def _lora_xa_partials(x_ref, a_ref, xa_ref, program, *, rows: int, plan: XaPlan):
+def x_planes(x_ref, row, blocks, x_in_place: bool) -> tuple[jax.Array, jax.Array]:
+  """float32 [blocks, 8] of row ``row``'s even and odd columns over the K blocks ``blocks`` (``nvfp4_gemv_kernel``'s
+  two layouts of x_ref)."""
+  if x_in_place:
+    return tuple(x_ref[row, blocks, :, h].astype(jnp.float32) for h in (0, 1))
+  return x_ref[row, 0, blocks, :], x_ref[row, 1, blocks, :]
+
+
+def _lora_xa_partials(x_ref, a_ref, xa_ref, program, *, rows: int, plan: XaPlan, x_in_place: bool = False):
   """Program ``program``'s share of x @ A: trips [program * per, ...) of A viewed as [K/16, 8, 2r], whose row
   (b, j) holds A's rows 16b + 2j (columns :r) and 16b + 2j + 1 (columns r:), the two x planes' rows."""
   r, bb = plan.rank, plan.block_b
@@ -141,8 +150,7 @@ def _lora_xa_partials(x_ref, a_ref, xa_ref, program, *, rows: int, plan: XaPlan)
     a_odd_Bx8xR = a_ref[blocks, :, pl.ds(r, r)].astype(jnp.float32)
     out = []
     for row in range(rows):
-      xe_Bx8 = x_ref[jnp.int32(row), 0, blocks, :]
-      xo_Bx8 = x_ref[jnp.int32(row), 1, blocks, :]
+      xe_Bx8, xo_Bx8 = x_planes(x_ref, jnp.int32(row), blocks, x_in_place)
       prod_Bx8xR = xe_Bx8[:, :, None] * a_even_Bx8xR + xo_Bx8[:, :, None] * a_odd_Bx8xR
       out.append(accs[row] + jnp.sum(jnp.sum(prod_Bx8xR, axis=1), axis=0))
     return tuple(out)
@@ -154,7 +162,7 @@ def _lora_xa_partials(x_ref, a_ref, xa_ref, program, *, rows: int, plan: XaPlan)
 
 def _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_n, pid_s, *, n: int,
                   col_offset: int, rows: int, block_n: int, block_b: int, steps: int, split: int, dequant: str,
-                  epilogue: Epilogue, prefetch: int, half: bool = False):
+                  epilogue: Epilogue, prefetch: int, half: bool = False, x_in_place: bool = False):
   """Column block ``pid_n`` of one weight's y over K split ``pid_s`` (``nvfp4_gemv_kernel``'s main work), written
   from output column ``col_offset`` on (a group member's place in y and in the epilogue's operands)."""
   layer = layer_ref[0]
@@ -190,8 +198,7 @@ def _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_r
     out = []
     for r in range(rows):
       row = jnp.int32(r)  # Pallas indexes refs with traced ints, not Python ones
-      xe_Bx8 = x_ref[row, 0, blocks(i), :]
-      xo_Bx8 = x_ref[row, 1, blocks(i), :]
+      xe_Bx8, xo_Bx8 = x_planes(x_ref, row, blocks(i), x_in_place)
       if half:  # x times the row's 2**e, in float16 (the accumulator's sum takes 2**-e at the end)
         xe_Bx8, xo_Bx8 = ((plane * x_powers[r][0]).astype(jnp.float16) for plane in (xe_Bx8, xo_Bx8))
       if dequant == "asm_fma":
@@ -205,7 +212,8 @@ def _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_r
       out.append(accs[r] + (block_sums_NxB if dequant == "asm" else block_sums_NxB * s_NxB))
     return tuple(out)
 
-  x_powers = [half_x_powers(amax) for amax in _x_amax(x_ref, blocks, trips, rows)] if half else None
+  x_powers = ([half_x_powers(amax) for amax in _x_amax(x_ref, blocks, trips, rows, x_in_place)] if half
+              else None)
   zeros = tuple(jnp.zeros((block_n, block_b), jnp.float32) for _ in range(rows))
   accs = k_loop(trips, load_weights, trip, zeros, prefetch)
   multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
@@ -221,14 +229,16 @@ def _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_r
       plgpu.store(o_ref.at[pid_s, row, cols], y_N, mask=col_mask)
 
 
-def _x_amax(x_ref, blocks, trips, rows: int) -> tuple:
+def _x_amax(x_ref, blocks, trips, rows: int, x_in_place: bool = False) -> tuple:
   """Per row, max |x| (a float32 scalar) over this program's K range (``blocks(0)`` .. ``blocks(trips - 1)``).
   The loop keeps an elementwise maximum and reduces it once: a reduction per trip (a barrier each) made the
   7B gate gemv at one row 29 us against 20 (bench_kernels --trace at bc0fae1)."""
   def trip(i, amaxes_Bx8):
-    return tuple(jnp.maximum(amax_Bx8, jnp.maximum(jnp.abs(x_ref[jnp.int32(r), 0, blocks(i), :]),
-                                                   jnp.abs(x_ref[jnp.int32(r), 1, blocks(i), :])))
-                 for r, amax_Bx8 in enumerate(amaxes_Bx8))
+    out = []
+    for r, amax_Bx8 in enumerate(amaxes_Bx8):
+      xe_Bx8, xo_Bx8 = x_planes(x_ref, jnp.int32(r), blocks(i), x_in_place)
+      out.append(jnp.maximum(amax_Bx8, jnp.maximum(jnp.abs(xe_Bx8), jnp.abs(xo_Bx8))))
+    return tuple(out)
 
   block_b = blocks(0).size
   zeros = tuple(jnp.zeros((block_b, 8), jnp.float32) for _ in range(rows))
@@ -284,10 +294,11 @@ def _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, cfg: Nvfp4MatmulConfig
   kernel = functools.partial(nvfp4_gemv_kernel, widths=widths, rows=m, block_n=cfg.block_n,
                              block_b=cfg.block_k // 16, steps=k // cfg.block_k, split=cfg.split,
                              dequant=nvfp4_tile.decoder(cfg.dequant, interpret), epilogue=epi,
-                             prefetch=cfg.prefetch, xa=plan, half=cfg.half_products)
+                             prefetch=cfg.prefetch, xa=plan, half=cfg.half_products, x_in_place=cfg.x_in_place)
   for i in range(0, len(weights), 3):  # packed [L*N, K/2] as [L*N, K/16, 8]: one NVFP4 block per row
     weights[i] = weights[i].reshape(weights[i].shape[0], kb, 8)
-  operands = [gemv_x_layout(x_MxK), layer_1, *weights, *epi_ops]
+  x_op = x_MxK.reshape(m, kb, 8, 2) if cfg.x_in_place else gemv_x_layout(x_MxK)
+  operands = [x_op, layer_1, *weights, *epi_ops]
   extra_out, columns = (), 0
   if plan is not None:
     operands.append(a_KxR.reshape(kb, 8, 2 * plan.rank))  # row (b, j): A's rows 16b + 2j, then 16b + 2j + 1

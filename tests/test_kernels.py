@@ -87,6 +87,12 @@ FWD_CASES = [
   (2, 160, 24, jnp.float16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=2, engine="gemv", prefetch=3)),
   (1, 256, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, engine="gemv", prefetch=2)),
   (2, 160, 24, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=3, engine="gemv", dequant="asm")),
+  # x read where it lies (stride-2 loads of each plane): a ragged split with prefetch, float16 x, many rows.
+  (2, 160, 40, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=2, engine="gemv", prefetch=1,
+                                               x_in_place=True)),
+  (5, 192, 56, jnp.float16, Nvfp4MatmulConfig(block_n=32, block_k=64, split=3, engine="gemv", x_in_place=True)),
+  (1, 256, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, engine="gemv", dequant="asm_fma",
+                                               x_in_place=True)),
 ]
 # The gemv with float16 block sums (``half_products``): one and two rows, a ragged split with prefetch, float16 x,
 # the e4m3-route PTX decoder (interpret mode runs its jnp twin).
@@ -95,6 +101,8 @@ HALF_CASES = [
   (2, 160, 40, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=2, engine="gemv", prefetch=1,
                                                dequant="asm_e4m3", half_products=True)),
   (3, 192, 56, jnp.float16, Nvfp4MatmulConfig(block_n=32, block_k=64, split=3, engine="gemv", half_products=True)),
+  (2, 160, 40, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=2, engine="gemv", half_products=True,
+                                               x_in_place=True)),
 ]
 
 
@@ -189,6 +197,30 @@ def test_fwd_kernel_matches_oracle(request, m, k, n, dtype, cfg):
                               interpret=True, poison=True)
   assert y.shape == (m, n) and y.dtype == dtype
   _assert_close(y, x, _dequant_np(q), dtype)
+
+
+def test_gemv_reads_x_in_place_with_no_layout_op(request):
+  # x_in_place: the operand the gemv launch gets is x itself (a reshape, no transpose or float32 copy); the
+  # default lays out float32 planes first. Both give the oracle's product.
+  from tests.test_rollout_layers import _eqns  # pylint: disable=import-outside-toplevel
+  rng = _rng(request)
+  m, k, n = 2, 128, 32
+  q = _random_q(rng, k, n)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  for in_place in (False, True):
+    cfg = config_lib.fit(Nvfp4MatmulConfig(block_n=16, block_k=32, engine="gemv", x_in_place=in_place), "fwd", m,
+                         k, n)
+    f = lambda x, cfg=cfg: nvfp4_matmul_fwd_pallas(x, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=cfg,
+                                                     interpret=True)
+    eqns = list(_eqns(jax.make_jaxpr(f)(x).jaxpr))
+    prims = [e.primitive.name for e in eqns]
+    call = next(e for e in eqns if e.primitive.name == "pallas_call")
+    x_operand = call.invars[0].aval
+    if in_place:
+      assert "transpose" not in prims and (x_operand.shape, x_operand.dtype) == ((m, k // 16, 8, 2), jnp.bfloat16)
+    else:
+      assert "transpose" in prims and (x_operand.shape, x_operand.dtype) == ((m, 2, k // 16, 8), jnp.float32)
+    _assert_close(f(x), x, _dequant_np(q), jnp.bfloat16)
 
 
 BWD_CASES = [
@@ -776,6 +808,8 @@ _LOWERING_CASES = {  # name -> (direction, config, with the epilogue)
   "fwd-gemv-asm_fma": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv", dequant="asm_fma"), True),
   "fwd-gemv-asm_fma-xa": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=32, split=3, engine="gemv", dequant="asm_fma",
                                                    prefetch=1), "xa"),
+  "fwd-gemv-asm_fma-xa-in-place": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=32, split=3, engine="gemv",
+                                                            dequant="asm_fma", prefetch=1, x_in_place=True), "xa"),
   "fwd-gemv-asm_e4m3-half": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=64, engine="gemv", dequant="asm_e4m3",
                                                       half_products=True, prefetch=1), False),
   "fwd-gemv-asm_e4m3-half-xa": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=32, split=3, engine="gemv",

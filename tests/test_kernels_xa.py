@@ -25,6 +25,8 @@ CASES = [
   # float16 block sums (each weight program scales its rows of x itself): the x @ A programs read float32 x.
   (2, 160, 40, 8, jnp.float32, Nvfp4MatmulConfig(block_n=16, block_k=32, split=3, engine="gemv", dequant="asm_e4m3",
                                                  half_products=True)),
+  # x read where it lies, both products (the x @ A programs take the same stride-2 planes).
+  (2, 160, 40, 8, jnp.float32, Nvfp4MatmulConfig(block_n=16, block_k=32, split=3, engine="gemv", x_in_place=True)),
 ]
 
 
