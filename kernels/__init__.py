@@ -6,4 +6,4 @@ from kernels.nvfp4_matmul import (  # noqa: F401
 )
 from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas  # noqa: F401
 from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas  # noqa: F401
-from kernels.nvfp4_matmul_xa import nvfp4_matmul_xa, xa_shares_launch  # noqa: F401
+from kernels.nvfp4_matmul_xa import nvfp4_matmul_xa, nvfp4_matmul_xa_partials, xa_shares_launch  # noqa: F401

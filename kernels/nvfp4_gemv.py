@@ -279,8 +279,9 @@ def nvfp4_gemv_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.
 
 
 def _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, cfg: Nvfp4MatmulConfig, interpret: bool, poison: bool,
-            layer, epilogue, a_KxR: jax.Array | None = None):
-  """The gemv launch: y, or with ``a_KxR`` (y, x @ A in float32) (``nvfp4_gemv_xa_pallas``)."""
+            layer, epilogue, a_KxR: jax.Array | None = None, partials: bool = False):
+  """The gemv launch: y, or with ``a_KxR`` (y, x @ A in float32) (``nvfp4_gemv_xa_pallas``); with ``partials``
+  both as the kernel's partial sums ([S, M, N] and [P, M, r], ``nvfp4_gemv_xa_partials``)."""
   epi_ops, epi = epilogue
   m, k = x_MxK.shape
   (layer_1, *weights), widths = nvfp4_tile.group_operands(packed_NxKh, scale_NxKb, global_scale, layer)
@@ -306,11 +307,12 @@ def _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, cfg: Nvfp4MatmulConfig
   out = nvfp4_tile.launch(kernel, operands, rows=m, cols=n, split=cfg.split, dtype=x_MxK.dtype,
                           grid=(columns + nvfp4_tile.column_blocks(widths, cfg.block_n), cfg.split),
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret, poison=poison,
-                          name="nvfp4_gemv" if plan is None else "nvfp4_gemv_xa", extra_out=extra_out)
+                          name="nvfp4_gemv" if plan is None else "nvfp4_gemv_xa", extra_out=extra_out,
+                          sum_splits=not partials)
   if plan is None:
     return out
   y, xa_partials = out
-  return y, xa_partials.sum(axis=0)
+  return (y, xa_partials) if partials else (y, xa_partials.sum(axis=0))
 
 
 # Bytes of A each x @ A program reads: ~32 KB keeps each one well under the gemv's own per-program time (a 7B
@@ -362,3 +364,17 @@ def nvfp4_gemv_xa_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: j
     raise ValueError(f"A.shape={tuple(a_KxR.shape)} must be (K={k}, r)")
   return _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, config, interpret, poison, layer, ([], Epilogue()),
                  a_KxR)
+
+
+def nvfp4_gemv_xa_partials(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array, global_scale: jax.Array,
+                           a_KxR: jax.Array, *, config: Nvfp4MatmulConfig, interpret: bool = False,
+                           poison: bool = False, layer=None) -> tuple[jax.Array, jax.Array]:
+  """`nvfp4_gemv_xa_pallas` without the sums XLA adds after it: (y's partial sums over the K split [S, M, N]
+  (float32; x's dtype when S = 1), x @ A's over the extra programs [P, M, r] float32), for a kernel that adds
+  them itself (``kernels.decode_residual_norm``). Not differentiable: decode steps only."""
+  if config.engine != "gemv":
+    raise ValueError(f"x @ A rides in the gemv engine only (at most {GEMV_MAX_ROWS} rows), not {config}")
+  if a_KxR.ndim != 2 or a_KxR.shape[0] != x_MxK.shape[1]:
+    raise ValueError(f"A.shape={tuple(a_KxR.shape)} must be (K={x_MxK.shape[1]}, r)")
+  return _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, config, interpret, poison, layer, ([], Epilogue()),
+                 a_KxR, partials=True)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels import config as config_lib
-from kernels.nvfp4_gemv import nvfp4_gemv_xa_pallas, xa_rank_supported
+from kernels.nvfp4_gemv import nvfp4_gemv_xa_pallas, nvfp4_gemv_xa_partials, xa_rank_supported
 from qerl_jax.quant.types import NVFP4Tensor
 
 # The module, not the package attribute of the same name (the function `kernels.nvfp4_matmul`).
@@ -54,6 +54,23 @@ def nvfp4_matmul_xa(x: jax.Array, q: NVFP4Tensor | mm.Nvfp4Group, a_KxR: jax.Arr
   return y_MxN.reshape(*x.shape[:-1], n), xa_MxR.reshape(*x.shape[:-1], rank)
 
 
+def nvfp4_matmul_xa_partials(x: jax.Array, q: NVFP4Tensor | mm.Nvfp4Group, a_KxR: jax.Array, *, layer=None,
+                             interpret: bool = False, fwd_config: config_lib.Nvfp4MatmulConfig | None = None
+                             ) -> tuple[jax.Array, jax.Array]:
+  """The shared launch's outputs before their sums: (y partials [S, M, N], x @ A partials [P, M, r] float32).
+
+  x [..., K] (M rows in all). Only where ``xa_shares_launch`` holds (else ValueError); not differentiable.
+  A consumer kernel adds the partials (``kernels.decode_residual_norm``), which saves XLA's kernels for them.
+  """
+  mm.check_shapes(x.shape, x.dtype, q, layer)
+  cfg = _shared_config(x, q, a_KxR.shape[-1], layer, interpret, fwd_config)
+  if cfg is None:
+    raise ValueError(f"x {x.shape} and A {a_KxR.shape} do not share a gemv launch here (xa_shares_launch)")
+  k = x.shape[-1]
+  layer = jnp.int32(0) if layer is None else layer
+  return _partials_launch(x.reshape(-1, k), q, layer, a_KxR, cfg, interpret)
+
+
 def xa_shares_launch(x: jax.Array, q: NVFP4Tensor | mm.Nvfp4Group, rank: int, *, layer=None,
                      interpret: bool = False, fwd_config: config_lib.Nvfp4MatmulConfig | None = None) -> bool:
   """Whether ``nvfp4_matmul_xa`` (same arguments, A of this rank) computes x @ A in the gemv's launch.
@@ -81,6 +98,12 @@ def _shared_config(x, q, rank, layer, interpret, fwd_config) -> config_lib.Nvfp4
 @functools.partial(jax.jit, static_argnums=(4, 5, 6))
 def _shared_launch(x_MxK, q, layer, a_KxR, cfg, bwd_cfg, interpret):
   return _gemv_xa(x_MxK, q, layer, a_KxR, cfg, bwd_cfg, interpret)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _partials_launch(x_MxK, q, layer, a_KxR, cfg, interpret):
+  return nvfp4_gemv_xa_partials(x_MxK, *mm.kernel_operands(q), a_KxR, config=cfg, interpret=interpret,
+                                layer=layer if mm.is_stacked(q) else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))

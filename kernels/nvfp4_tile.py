@@ -299,10 +299,12 @@ def decoder(dequant: str, interpret: bool) -> str:
 
 
 def launch(kernel, operands: list, *, rows: int, cols: int, split: int, dtype, grid: tuple[int, int],
-           num_warps: int, num_stages: int, interpret: bool, poison: bool, name: str, extra_out: tuple = ()):
+           num_warps: int, num_stages: int, interpret: bool, poison: bool, name: str, extra_out: tuple = (),
+           sum_splits: bool = True):
   """Runs ``kernel`` over ``grid``; returns its [rows, cols] output in ``dtype``.
 
-  split > 1: the kernel writes float32 partial sums [split, rows, cols], added here. poison: the outputs
+  split > 1: the kernel writes float32 partial sums [split, rows, cols], added here (``sum_splits``; else
+  returned as they are, and the output with split 1 as [1, rows, cols]: a consumer kernel adds them). poison: the outputs
   start NaN-filled (aliased in place), so a tile the kernel fails to write shows up. extra_out: shapes
   (``jax.ShapeDtypeStruct``) of more outputs the kernel writes after that one; then (y, *those) is returned.
   """
@@ -325,5 +327,8 @@ def launch(kernel, operands: list, *, rows: int, cols: int, split: int, dtype, g
       interpret=interpret,
       name=name,
   )(*operands)
-  y = out if split == 1 else out.sum(axis=0).astype(dtype)
+  if sum_splits:
+    y = out if split == 1 else out.sum(axis=0).astype(dtype)
+  else:
+    y = out[None] if split == 1 else out
   return (y, *extras) if extra_out else y

@@ -158,3 +158,28 @@ def test_model_projection_routes_bias_and_adapter_by_the_two_flags(monkeypatch, 
   calls = [(str(e.params["name"]), len(e.invars)) for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
   assert calls == [ROUTES[rows, fused, gemv_xa, lora_dtype]]
 
+
+
+def test_partials_are_the_shared_launchs_outputs_before_their_sums():
+  # nvfp4_matmul_xa_partials: [S, M, N] and [P, M, r] whose sums are nvfp4_matmul_xa's y (rounded to x's dtype)
+  # and x @ A; with no K split the one "partial" is y itself. Where the shared launch does not apply it refuses.
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  k, n, rank = 160, 40, 8
+  q = _random_q(rng, k, n)
+  x = jnp.asarray(rng.standard_normal((2, 1, k)), jnp.bfloat16)
+  a = jnp.asarray(rng.standard_normal((k, rank)) / np.sqrt(k), jnp.float32)
+  for split in (3, 1):
+    cfg = Nvfp4MatmulConfig(block_n=16, block_k=32, split=split, engine="gemv")
+    parts, xa_parts = kernels.nvfp4_matmul_xa_partials(x, q, a, interpret=True, fwd_config=cfg)
+    y, xa = kernels.nvfp4_matmul_xa(x, q, a, interpret=True, fwd_config=cfg)
+    assert parts.shape == (split, 2, n) and parts.dtype == (jnp.float32 if split > 1 else jnp.bfloat16)
+    assert xa_parts.ndim == 3 and xa_parts.shape[1:] == (2, rank) and xa_parts.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(parts.astype(jnp.float32).sum(0).astype(jnp.bfloat16), np.float32),
+                                  np.asarray(y.reshape(2, n), np.float32), err_msg=f"{seed=}")
+    np.testing.assert_allclose(np.asarray(xa_parts.sum(0)), np.asarray(xa.reshape(2, rank)), rtol=1e-6,
+                               atol=1e-6, err_msg=f"{seed=}")
+    _assert_xa_close(xa_parts.sum(0), x, a, f"{seed=}")
+  tile = Nvfp4MatmulConfig(block_m=16, block_n=16, block_k=32)  # a tile kernel: no x @ A in its launch
+  with pytest.raises(ValueError, match="do not share a gemv launch"):
+    kernels.nvfp4_matmul_xa_partials(x, q, a, interpret=True, fwd_config=tile)

@@ -394,6 +394,51 @@ def test_gemv_lora_xa_gives_the_same_decode_logits_and_adapter_gradients(monkeyp
   assert len(re.findall(r"name=_shared_launch\b", shared_jaxpr)) == 7 and "nvfp4_gemv_xa" not in plain_jaxpr
 
 
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_decode_residual_norm_gives_the_xla_decode_logits(monkeypatch, per_layer):
+  # config.decode_residual_norm="pallas": at a cached decode step o_proj's gemv hands its partial sums to one
+  # kernel that adds them, the adapter and the residual, then normalizes (kernels.decode_residual_norm,
+  # interpret mode here, as the gemvs are). Logits of a prefill and two decode steps of two rows, with AQN
+  # noise on the norm (large, so that leaving it out shows), equal the XLA path's; the prefill (8 rows a
+  # call) keeps XLA's path. Both layer loops.
+  import kernels
+  from qerl_jax.model.transformer import unstack_layers
+  seed, config, model, tokens, params = _nvfp4_bf16_case(lora_dtype=jnp.bfloat16)
+  monkeypatch.setattr(kernels, "nvfp4_matmul_xa", functools.partial(kernels.nvfp4_matmul_xa, interpret=True))
+  monkeypatch.setattr(kernels, "xa_shares_launch", functools.partial(kernels.xa_shares_launch, interpret=True))
+  monkeypatch.setattr(kernels, "nvfp4_matmul_xa_partials",
+                      functools.partial(kernels.nvfp4_matmul_xa_partials, interpret=True))
+  rng = np.random.default_rng(seed)
+  noise = {"post_attention_layernorm": jnp.asarray(0.5 * rng.standard_normal((config.num_layers,
+                                                                                config.hidden_size)), jnp.float32)}
+  params = unstack_layers(params) if per_layer else params
+  prompt, steps = tokens[:, :4], tokens[:, 4:]
+
+  def run(cfg):
+    cache = init_cache(config, 2, 8, per_layer=per_layer)
+    logits, cache = forward(params, cfg, model.lora_scale, prompt, cache=cache, cache_index=0, norm_noise=noise)
+    out = [logits]
+    for i in range(steps.shape[1]):
+      logits, cache = forward(params, cfg, model.lora_scale, steps[:, i:i + 1], cache=cache, cache_index=4 + i,
+                              norm_noise=noise)
+      out.append(logits)
+    return out
+
+  results = {}
+  for mode in ("xla", "pallas"):
+    cfg = config.replace(gemv_lora_xa=True, decode_residual_norm=mode)
+    results[mode] = [np.asarray(y, np.float32) for y in jax.jit(lambda p, cfg=cfg: run(cfg))(params)]
+    results[mode + "-jaxpr"] = str(jax.make_jaxpr(lambda p, cfg=cfg: run(cfg))(params))
+  # (Within the bf16 rounding flips that two orders of the same float32 sums make: the gemv_lora_xa test's
+  # 0.02 of the largest logit, halved.)
+  for want, got in zip(results["xla"], results["pallas"]):
+    np.testing.assert_allclose(got, want, atol=0.01 * np.abs(want).max(), err_msg=f"{seed=}")
+  calls = len(re.findall(r"jit\[name=residual_norm\b", results["pallas-jaxpr"]))
+  # One per layer and decode step (the scan traces its body once); none in the prefill or on the XLA path.
+  assert calls == steps.shape[1] * (config.num_layers if per_layer else 1), calls
+  assert "decode_residual_norm" not in results["xla-jaxpr"]
+
+
 def test_gemv_lora_xa_without_a_kernel_is_the_usual_program():
   # Where no kernel takes x @ A (here: the XLA path on this CPU), gemv_lora_xa changes nothing: the same
   # program, with the adapters' concatenated x @ A and its one-row barrier form (`linears`, `lora_xa`).

@@ -151,6 +151,19 @@ def base_matmul_xa(x_BxTxK: jax.Array, w: Any, a_KxR: jax.Array) -> tuple[jax.Ar
   return kernels.nvfp4_matmul_xa(x_BxTxK, stacked, a_KxR, layer=layer)
 
 
+def partials_apply(x_BxTxK: jax.Array, p: dict[str, Any]) -> bool:
+  """Whether `base_matmul_xa_partials` takes this projection: an adapter whose x @ A shares the gemv's launch."""
+  return p.get("lora_b") is not None and _xa_in_gemv(x_BxTxK, p)
+
+
+def base_matmul_xa_partials(x_BxTxK: jax.Array, w: Any, a_KxR: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`base_matmul_xa` before the partial sums are added: (y partials [S, M, N], x @ A partials [P, M, r] float32)
+  for a kernel that adds them itself; M = the rows of x. Decode only (not differentiable)."""
+  import kernels  # pylint: disable=import-outside-toplevel
+  stacked, layer = _stack_and_layer(w)
+  return kernels.nvfp4_matmul_xa_partials(x_BxTxK, stacked, a_KxR, layer=layer)
+
+
 def _stack_and_layer(w: Any) -> tuple[Any, Any]:
   """(NVFP4 tensor, layer index or None) of an NVFP4 weight, for the kernels that read a stack in place."""
   return (w.stacked, w.layer) if isinstance(w, LayerOf) else (w, None)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qerl_jax.model import attention as attn
+from qerl_jax.model import attention as attn, linear as linear_lib
 from qerl_jax.model.config import ModelConfig
 from qerl_jax.model.linear import (PROJ_NAMES, Frozen, LayerOf, LoraConfig, Projection, init_loras, linear, linears,
                                    logical_shape, shared_lora_a)
@@ -111,14 +111,35 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
       # queries can see at all, so a prefill attends over the prompt, not the whole response budget.
       k_all, v_all = k_all[:, :mask_BxTxS.shape[-1]], v_all[:, :mask_BxTxS.shape[-1]]
       o = attn.attend(q, k_all, v_all, mask_BxTxS, config.attn_query_chunk)
-  x_BxTxD = x_BxTxD + linear(o, p["o_proj"], lora_scale, fused, gemv_xa=gemv_xa)
-  h = attn.rms_norm(x_BxTxD, p["post_attention_layernorm"], eps, noise.get("post_attention_layernorm"))
+  x_BxTxD, h = _attention_residual(config, lora_scale, x_BxTxD, o, p, noise.get("post_attention_layernorm"),
+                                   fused, gemv_xa, decode=kv is not None)
   g, u = (y.astype(jnp.float32)
           for y in linears(h, [p["gate_proj"], p["up_proj"]], lora_scale, fused, gemv_xa, shared_a.get("gate_up"),
                            merged.get("gate_up")))
   m = (jax.nn.silu(g) * u).astype(x_BxTxD.dtype)
   x_BxTxD = x_BxTxD + linear(m, p["down_proj"], lora_scale, fused, gemv_xa=gemv_xa)
   return x_BxTxD, kv
+
+
+def _attention_residual(config: ModelConfig, lora_scale: float, x_BxTxD: jax.Array, o_BxTxK: jax.Array, p, noise_D,
+                        fused: bool, gemv_xa: bool, decode: bool) -> tuple[jax.Array, jax.Array]:
+  """(x + o_proj(o), post_attention_layernorm of it). At a decode step whose o_proj gemv computes its adapter's
+  x @ A, with config.decode_residual_norm on, one kernel adds the gemv's partial sums, bias and adapter term to
+  the residual and normalizes (kernels/decode_residual_norm.py), with the same roundings."""
+  eps, proj = config.rms_norm_eps, p["o_proj"]
+  on_gpu = jax.default_backend() == "gpu"
+  wanted = config.decode_residual_norm == "pallas" or config.decode_residual_norm == "auto" and on_gpu
+  if (decode and wanted and gemv_xa and o_BxTxK.dtype == x_BxTxD.dtype
+      and linear_lib.partials_apply(o_BxTxK, proj)):
+    from kernels.decode_residual_norm import residual_norm  # pylint: disable=import-outside-toplevel
+    parts_SxMxD, xa_PxMxR = linear_lib.base_matmul_xa_partials(o_BxTxK, proj["w"], proj["lora_a"])
+    shape = x_BxTxD.shape
+    x_MxD, h_MxD = residual_norm(x_BxTxD.reshape(-1, shape[-1]), parts_SxMxD, p["post_attention_layernorm"],
+                                 eps=eps, xa_PxMxR=xa_PxMxR, b_RxD=proj["lora_b"], lora_scale=lora_scale,
+                                 bias_D=proj.get("b"), noise_D=noise_D, interpret=not on_gpu)
+    return x_MxD.reshape(shape), h_MxD.reshape(shape)
+  x_BxTxD = x_BxTxD + linear(o_BxTxK, proj, lora_scale, fused, gemv_xa=gemv_xa)
+  return x_BxTxD, attn.rms_norm(x_BxTxD, p["post_attention_layernorm"], eps, noise_D)
 
 
 def _check_noise(config: ModelConfig, norm_noise: dict[str, jax.Array] | None) -> dict[str, jax.Array]:
