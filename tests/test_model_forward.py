@@ -396,11 +396,12 @@ def test_gemv_lora_xa_gives_the_same_decode_logits_and_adapter_gradients(monkeyp
 
 @pytest.mark.parametrize("per_layer", [False, True])
 def test_decode_residual_norm_gives_the_xla_decode_logits(monkeypatch, per_layer):
-  # config.decode_residual_norm="pallas": at a cached decode step o_proj's gemv hands its partial sums to one
-  # kernel that adds them, the adapter and the residual, then normalizes (kernels.decode_residual_norm,
-  # interpret mode here, as the gemvs are). Logits of a prefill and two decode steps of two rows, with AQN
-  # noise on the norm (large, so that leaving it out shows), equal the XLA path's; the prefill (8 rows a
-  # call) keeps XLA's path. Both layer loops.
+  # config.decode_residual_norm="pallas": at a cached decode step o_proj's and down_proj's gemvs hand their
+  # partial sums to one kernel each that adds them, the adapter and the residual, then applies the next norm
+  # (post_attention_layernorm; the next block's input_layernorm, or the final norm after the last block)
+  # (kernels.decode_residual_norm, interpret mode here, as the gemvs are). Logits of a prefill and two decode
+  # steps of two rows, with AQN noise on both block norms (large, so that leaving it out, or taking another
+  # layer's, shows), equal the XLA path's; the prefill (8 rows a call) keeps XLA's path. Both layer loops.
   import kernels
   from qerl_jax.model.transformer import unstack_layers
   seed, config, model, tokens, params = _nvfp4_bf16_case(lora_dtype=jnp.bfloat16)
@@ -409,8 +410,8 @@ def test_decode_residual_norm_gives_the_xla_decode_logits(monkeypatch, per_layer
   monkeypatch.setattr(kernels, "nvfp4_matmul_xa_partials",
                       functools.partial(kernels.nvfp4_matmul_xa_partials, interpret=True))
   rng = np.random.default_rng(seed)
-  noise = {"post_attention_layernorm": jnp.asarray(0.5 * rng.standard_normal((config.num_layers,
-                                                                                config.hidden_size)), jnp.float32)}
+  noise = {name: jnp.asarray(0.5 * rng.standard_normal((config.num_layers, config.hidden_size)), jnp.float32)
+           for name in ("input_layernorm", "post_attention_layernorm")}
   params = unstack_layers(params) if per_layer else params
   prompt, steps = tokens[:, :4], tokens[:, 4:]
 
@@ -434,8 +435,8 @@ def test_decode_residual_norm_gives_the_xla_decode_logits(monkeypatch, per_layer
   for want, got in zip(results["xla"], results["pallas"]):
     np.testing.assert_allclose(got, want, atol=0.01 * np.abs(want).max(), err_msg=f"{seed=}")
   calls = len(re.findall(r"jit\[name=residual_norm\b", results["pallas-jaxpr"]))
-  # One per layer and decode step (the scan traces its body once); none in the prefill or on the XLA path.
-  assert calls == steps.shape[1] * (config.num_layers if per_layer else 1), calls
+  # Two per layer and decode step (the scan traces its body once); none in the prefill or on the XLA path.
+  assert calls == 2 * steps.shape[1] * (config.num_layers if per_layer else 1), calls
   assert "decode_residual_norm" not in results["xla-jaxpr"]
 
 

@@ -64,15 +64,18 @@ def lm_head_logits(h_xD: jax.Array, w_VxD: jax.Array) -> jax.Array:
   return jnp.einsum("...d,vd->...v", h_xD, w_VxD.astype(h_xD.dtype), preferred_element_type=jnp.float32)
 
 
-def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, mask_BxTxS, kv, layer,
-           cache_index):
-  """One decoder block. kv: None (no cache), the stacked (k, v) caches [L, B, S, Hkv, Dh] to update at
+def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, h_BxTxD, p, noise, next_norm, cos, sin, mask_BxTxS, kv,
+           layer, cache_index):
+  """One decoder block: (x, h_next, kv). h_BxTxD: x under this block's input_layernorm. next_norm: (scale,
+  AQN noise or None) of the norm after the block (the next block's input_layernorm, or the final norm), so
+  h_next is the next block's input: at a decode step the kernel that ends the block applies it
+  (`_residual_norm`). kv: None (no cache), the stacked (k, v) caches [L, B, S, Hkv, Dh] to update at
   `layer`, or this layer's own (k, v) [B, S, Hkv, Dh]."""
   b, t, _ = x_BxTxD.shape
-  eps = config.rms_norm_eps
   fused = config.fused_lora and b * t <= config.fused_lora_max_rows  # static: decode calls only
   gemv_xa = config.gemv_lora_xa
-  h = attn.rms_norm(x_BxTxD, p["input_layernorm"], eps, noise.get("input_layernorm"))
+  decode = kv is not None
+  h = h_BxTxD
   shared_a = p.get("shared_lora_a", {})  # made once per rollout by `unstack_layers`, else in `linears`
   merged = p.get("merged", {})  # made once per rollout by `with_merged_launches`
   q, k, v = linears(h, [p["q_proj"], p["k_proj"], p["v_proj"]], lora_scale, fused, gemv_xa, shared_a.get("qkv"),
@@ -80,8 +83,8 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
   q = q.reshape(b, t, config.num_heads, config.head_dim)
   k, v = (y.reshape(b, t, config.num_kv_heads, config.head_dim) for y in (k, v))
   if config.qk_norm:
-    q = attn.rms_norm(q, p["q_norm"], eps, noise.get("q_norm"))
-    k = attn.rms_norm(k, p["k_norm"], eps, noise.get("k_norm"))
+    q = attn.rms_norm(q, p["q_norm"], config.rms_norm_eps, noise.get("q_norm"))
+    k = attn.rms_norm(k, p["k_norm"], config.rms_norm_eps, noise.get("k_norm"))
   q, k = attn.apply_rope(q, cos, sin), attn.apply_rope(k, cos, sin)
   if kv is None:
     o = attn.attend(q, k, v, mask_BxTxS, config.attn_query_chunk)
@@ -111,35 +114,36 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, p, noise, cos, sin, 
       # queries can see at all, so a prefill attends over the prompt, not the whole response budget.
       k_all, v_all = k_all[:, :mask_BxTxS.shape[-1]], v_all[:, :mask_BxTxS.shape[-1]]
       o = attn.attend(q, k_all, v_all, mask_BxTxS, config.attn_query_chunk)
-  x_BxTxD, h = _attention_residual(config, lora_scale, x_BxTxD, o, p, noise.get("post_attention_layernorm"),
-                                   fused, gemv_xa, decode=kv is not None)
+  x_BxTxD, h = _residual_norm(config, lora_scale, x_BxTxD, o, p["o_proj"], p["post_attention_layernorm"],
+                              noise.get("post_attention_layernorm"), fused, gemv_xa, decode)
   g, u = (y.astype(jnp.float32)
           for y in linears(h, [p["gate_proj"], p["up_proj"]], lora_scale, fused, gemv_xa, shared_a.get("gate_up"),
                            merged.get("gate_up")))
   m = (jax.nn.silu(g) * u).astype(x_BxTxD.dtype)
-  x_BxTxD = x_BxTxD + linear(m, p["down_proj"], lora_scale, fused, gemv_xa=gemv_xa)
-  return x_BxTxD, kv
+  x_BxTxD, h_next = _residual_norm(config, lora_scale, x_BxTxD, m, p["down_proj"], *next_norm, fused, gemv_xa,
+                                   decode)
+  return x_BxTxD, h_next, kv
 
 
-def _attention_residual(config: ModelConfig, lora_scale: float, x_BxTxD: jax.Array, o_BxTxK: jax.Array, p, noise_D,
-                        fused: bool, gemv_xa: bool, decode: bool) -> tuple[jax.Array, jax.Array]:
-  """(x + o_proj(o), post_attention_layernorm of it). At a decode step whose o_proj gemv computes its adapter's
+def _residual_norm(config: ModelConfig, lora_scale: float, x_BxTxD: jax.Array, in_BxTxK: jax.Array, proj, norm_D,
+                   noise_D, fused: bool, gemv_xa: bool, decode: bool) -> tuple[jax.Array, jax.Array]:
+  """(x + proj(in), the RMSNorm (norm_D + noise_D) of it). At a decode step whose gemv computes the adapter's
   x @ A, with config.decode_residual_norm on, one kernel adds the gemv's partial sums, bias and adapter term to
   the residual and normalizes (kernels/decode_residual_norm.py), with the same roundings."""
-  eps, proj = config.rms_norm_eps, p["o_proj"]
+  eps = config.rms_norm_eps
   on_gpu = jax.default_backend() == "gpu"
   wanted = config.decode_residual_norm == "pallas" or config.decode_residual_norm == "auto" and on_gpu
-  if (decode and wanted and gemv_xa and o_BxTxK.dtype == x_BxTxD.dtype
-      and linear_lib.partials_apply(o_BxTxK, proj)):
+  if (decode and wanted and gemv_xa and in_BxTxK.dtype == x_BxTxD.dtype
+      and linear_lib.partials_apply(in_BxTxK, proj)):
     from kernels.decode_residual_norm import residual_norm  # pylint: disable=import-outside-toplevel
-    parts_SxMxD, xa_PxMxR = linear_lib.base_matmul_xa_partials(o_BxTxK, proj["w"], proj["lora_a"])
+    parts_SxMxD, xa_PxMxR = linear_lib.base_matmul_xa_partials(in_BxTxK, proj["w"], proj["lora_a"])
     shape = x_BxTxD.shape
-    x_MxD, h_MxD = residual_norm(x_BxTxD.reshape(-1, shape[-1]), parts_SxMxD, p["post_attention_layernorm"],
-                                 eps=eps, xa_PxMxR=xa_PxMxR, b_RxD=proj["lora_b"], lora_scale=lora_scale,
-                                 bias_D=proj.get("b"), noise_D=noise_D, interpret=not on_gpu)
+    x_MxD, h_MxD = residual_norm(x_BxTxD.reshape(-1, shape[-1]), parts_SxMxD, norm_D, eps=eps, xa_PxMxR=xa_PxMxR,
+                                 b_RxD=proj["lora_b"], lora_scale=lora_scale, bias_D=proj.get("b"), noise_D=noise_D,
+                                 interpret=not on_gpu)
     return x_MxD.reshape(shape), h_MxD.reshape(shape)
-  x_BxTxD = x_BxTxD + linear(o_BxTxK, proj, lora_scale, fused, gemv_xa=gemv_xa)
-  return x_BxTxD, attn.rms_norm(x_BxTxD, p["post_attention_layernorm"], eps, noise_D)
+  x_BxTxD = x_BxTxD + linear(in_BxTxK, proj, lora_scale, fused, gemv_xa=gemv_xa)
+  return x_BxTxD, attn.rms_norm(x_BxTxD, norm_D, eps, noise_D)
 
 
 def _check_noise(config: ModelConfig, norm_noise: dict[str, jax.Array] | None) -> dict[str, jax.Array]:
@@ -202,17 +206,23 @@ def forward(params: dict[str, Any], config: ModelConfig, lora_scale: float, toke
   cos, sin = attn.rope_cos_sin(config, positions_BxT)
   x = jnp.take(params["embed_tokens"], tokens_BxT, axis=0).astype(config.dtype)
 
-  def layer_fn(x, kv, p, layer_noise, layer):
-    return _layer(config, lora_scale, x, p, layer_noise, cos, sin, mask_BxTxS, kv, layer, cache_index)
+  def layer_fn(x, h, kv, p, layer_noise, next_norm, layer):
+    return _layer(config, lora_scale, x, h, p, layer_noise, next_norm, cos, sin, mask_BxTxS, kv, layer,
+                  cache_index)
 
   if config.remat:
     layer_fn = jax.checkpoint(layer_fn, policy=getattr(jax.checkpoint_policies, config.remat_policy))
   kv = None if cache is None else (cache["k"], cache["v"])
-  if isinstance(params["layers"], (list, tuple)):
-    x, kv = _unrolled(layer_fn, x, kv, params["layers"], noise)
+  # Each block ends with the norm after it (the next block's input norm, the final one last), so h is always
+  # the next block's input: one decode kernel can end a block and normalize for the next (`_residual_norm`).
+  unrolled = isinstance(params["layers"], (list, tuple))
+  first_norm = params["layers"][0]["input_layernorm"] if unrolled else params["layers"]["input_layernorm"][0]
+  first_noise = noise["input_layernorm"][0] if "input_layernorm" in noise else None
+  h = attn.rms_norm(x, first_norm, config.rms_norm_eps, first_noise)
+  if unrolled:
+    _, h, kv = _unrolled(layer_fn, x, h, kv, params["layers"], noise, params["norm"])
   else:
-    x, kv = _scanned(layer_fn, x, kv, params["layers"], noise, config.num_layers)
-  h = attn.rms_norm(x, params["norm"], config.rms_norm_eps)
+    _, h, kv = _scanned(layer_fn, x, h, kv, params["layers"], noise, params["norm"], config.num_layers)
   out = h if return_hidden else lm_head_logits(h, _lm_head(params))
   if cache is None:
     return out
@@ -225,30 +235,43 @@ def _cache_rows_and_slots(cache: dict[str, Any]) -> tuple[int, int]:
   return tuple(k[0].shape[:2]) if isinstance(k, (list, tuple)) else tuple(k.shape[1:3])
 
 
-def _scanned(layer_fn, x, kv, layers: dict[str, Any], noise: dict[str, jax.Array], num_layers: int):
+def _scanned(layer_fn, x, h, kv, layers: dict[str, Any], noise: dict[str, jax.Array], final_norm: jax.Array,
+             num_layers: int):
   """The layers as a `lax.scan` over the stacked parameters (training, and the "scan" decode loop)."""
   sliced, whole = _read_in_place(layers)
+  # The norm after block l, stacked: block l + 1's input norm, the final norm last (float32: rms_norm's own
+  # cast of either scale, so nothing rounds), and its AQN noise (none on the final norm: zeros add nothing).
+  norms = layers["input_layernorm"].astype(jnp.float32)
+  next_scale = jnp.concatenate([norms[1:], final_norm.astype(jnp.float32)[None]])
+  next_noise = None
+  if "input_layernorm" in noise:
+    next_noise = jnp.concatenate([noise["input_layernorm"][1:], jnp.zeros_like(noise["input_layernorm"][:1])])
 
   def body(carry, xs):
-    x, kv = carry
-    p, layer_noise, layer = xs
-    return layer_fn(x, kv, _with_whole(p, whole, layer), layer_noise, layer), None
+    x, h, kv = carry
+    p, layer_noise, next_norm, layer = xs
+    return layer_fn(x, h, kv, _with_whole(p, whole, layer), layer_noise, next_norm, layer), None
 
-  xs = (sliced, noise, jnp.arange(num_layers, dtype=jnp.int32))
-  (x, kv), _ = jax.lax.scan(body, (x, kv), xs)
-  return x, kv
+  xs = (sliced, noise, (next_scale, next_noise), jnp.arange(num_layers, dtype=jnp.int32))
+  (x, h, kv), _ = jax.lax.scan(body, (x, h, kv), xs)
+  return x, h, kv
 
 
-def _unrolled(layer_fn, x, kv, layers: list[dict[str, Any]], noise: dict[str, jax.Array]):
+def _unrolled(layer_fn, x, h, kv, layers: list[dict[str, Any]], noise: dict[str, jax.Array],
+              final_norm: jax.Array):
   """The layers as a Python loop over per-layer parameters (`unstack_layers`) and per-layer caches."""
   new_k, new_v = [], []
+  next_noise = noise.get("input_layernorm")
   for layer, p in enumerate(layers):
     kv_l = None if kv is None else (kv[0][layer], kv[1][layer])
-    x, kv_l = layer_fn(x, kv_l, p, {name: value[layer] for name, value in noise.items()}, layer)
+    last = layer == len(layers) - 1
+    next_norm = ((final_norm, None) if last else
+                 (layers[layer + 1]["input_layernorm"], None if next_noise is None else next_noise[layer + 1]))
+    x, h, kv_l = layer_fn(x, h, kv_l, p, {name: value[layer] for name, value in noise.items()}, next_norm, layer)
     if kv_l is not None:
       new_k.append(kv_l[0])
       new_v.append(kv_l[1])
-  return x, (None if kv is None else (new_k, new_v))
+  return x, h, (None if kv is None else (new_k, new_v))
 
 
 def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
