@@ -74,11 +74,12 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, *refs, widths: tuple[int, ...], rows: in
                       half: bool = False, x_in_place: bool = False):
   """One block_n slice of y for every row, over one split of the K blocks.
 
-  x_ref f32 [M, 2, K/16, 8] (``gemv_x_layout``), or with ``x_in_place`` x itself as [M, K/16, 8, 2] (x's dtype:
-  element [m, b, j, h] is x[m, 16b + 2j + h]); layer_ref int32 [1]; then per weight of ``widths`` (one, or a group's members
-  along N: ``nvfp4_tile.group_operands``) packed_ref uint8 [L*N, K/16, 8], scale_ref e4m3 [L*N, K/16], gs_ref
-  f32 [L] (rows layer*N .. layer*N + N are the weight); then the epilogue's refs (``nvfp4_epilogue``), then
-  o_ref [M, sum of N] (x dtype) when split == 1, else float32 partials [split, M, sum of N].
+  x_ref f32 [M, 2, K/16, 8] (``gemv_x_layout``), or with ``x_in_place`` x itself as [M, K/16, 8, 2] (x's
+  dtype: element [m, b, j, h] is x[m, 16b + 2j + h]); layer_ref int32 [1]; then per weight of ``widths`` (one,
+  or a group's members along N: ``nvfp4_tile.group_operands``) packed_ref uint8 [L*N, K/16, 8], scale_ref e4m3
+  [L*N, K/16], gs_ref f32 [L] (rows layer*N .. layer*N + N are the weight); then the epilogue's refs
+  (``nvfp4_epilogue``), then o_ref [M, sum of N] (x dtype) when split == 1, else float32 partials [split, M,
+  sum of N].
   steps: K trips of block_b NVFP4 blocks in all, cut into ``split`` ranges (``nvfp4_tile.split_range``).
   dequant "asm" decodes with inline PTX (GPU only); any other value with the e4m3 conversion.
   half: the e4m3-route codes, their products with x and each block's sum in float16, each row's x scaled into

@@ -304,8 +304,8 @@ def launch(kernel, operands: list, *, rows: int, cols: int, split: int, dtype, g
   """Runs ``kernel`` over ``grid``; returns its [rows, cols] output in ``dtype``.
 
   split > 1: the kernel writes float32 partial sums [split, rows, cols], added here (``sum_splits``; else
-  returned as they are, and the output with split 1 as [1, rows, cols]: a consumer kernel adds them). poison: the outputs
-  start NaN-filled (aliased in place), so a tile the kernel fails to write shows up. extra_out: shapes
+  returned as they are, and the output with split 1 as [1, rows, cols]: a consumer kernel adds them). poison:
+  the outputs start NaN-filled (aliased in place), so a tile the kernel fails to write shows up. extra_out: shapes
   (``jax.ShapeDtypeStruct``) of more outputs the kernel writes after that one; then (y, *those) is returned.
   """
   from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel

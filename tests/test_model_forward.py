@@ -395,15 +395,16 @@ def test_gemv_lora_xa_gives_the_same_decode_logits_and_adapter_gradients(monkeyp
 
 
 @pytest.mark.parametrize("per_layer", [False, True])
-def test_decode_residual_norm_gives_the_xla_decode_logits(monkeypatch, per_layer):
-  # config.decode_residual_norm="pallas": at a cached decode step o_proj's and down_proj's gemvs hand their
-  # partial sums to one kernel each that adds them, the adapter and the residual, then applies the next norm
+def test_decode_partials_to_pallas_give_the_xla_decode_logits(monkeypatch, per_layer):
+  # config.decode_partials="pallas": at a cached decode step o_proj's and down_proj's gemvs hand their partial
+  # sums to one kernel each that adds them, the adapter and the residual, then applies the next norm
   # (post_attention_layernorm; the next block's input_layernorm, or the final norm after the last block)
-  # (kernels.decode_residual_norm, interpret mode here, as the gemvs are). Logits of a prefill and two decode
+  # (kernels.decode_residual_norm), and the gate|up launch its partials to kernels.decode_swiglu, all in
+  # interpret mode here, as the gemvs are. The per-layer loop merges gate|up into one launch, as rollouts do. Logits of a prefill and two decode
   # steps of two rows, with AQN noise on both block norms (large, so that leaving it out, or taking another
   # layer's, shows), equal the XLA path's; the prefill (8 rows a call) keeps XLA's path. Both layer loops.
   import kernels
-  from qerl_jax.model.transformer import unstack_layers
+  from qerl_jax.model.transformer import unstack_layers, with_merged_launches
   seed, config, model, tokens, params = _nvfp4_bf16_case(lora_dtype=jnp.bfloat16)
   monkeypatch.setattr(kernels, "nvfp4_matmul_xa", functools.partial(kernels.nvfp4_matmul_xa, interpret=True))
   monkeypatch.setattr(kernels, "xa_shares_launch", functools.partial(kernels.xa_shares_launch, interpret=True))
@@ -412,7 +413,7 @@ def test_decode_residual_norm_gives_the_xla_decode_logits(monkeypatch, per_layer
   rng = np.random.default_rng(seed)
   noise = {name: jnp.asarray(0.5 * rng.standard_normal((config.num_layers, config.hidden_size)), jnp.float32)
            for name in ("input_layernorm", "post_attention_layernorm")}
-  params = unstack_layers(params) if per_layer else params
+  params = with_merged_launches(unstack_layers(params), ("gate_up",)) if per_layer else params
   prompt, steps = tokens[:, :4], tokens[:, 4:]
 
   def run(cfg):
@@ -427,17 +428,19 @@ def test_decode_residual_norm_gives_the_xla_decode_logits(monkeypatch, per_layer
 
   results = {}
   for mode in ("xla", "pallas"):
-    cfg = config.replace(gemv_lora_xa=True, decode_residual_norm=mode)
+    cfg = config.replace(gemv_lora_xa=True, decode_partials=mode)
     results[mode] = [np.asarray(y, np.float32) for y in jax.jit(lambda p, cfg=cfg: run(cfg))(params)]
     results[mode + "-jaxpr"] = str(jax.make_jaxpr(lambda p, cfg=cfg: run(cfg))(params))
   # (Within the bf16 rounding flips that two orders of the same float32 sums make: the gemv_lora_xa test's
   # 0.02 of the largest logit, halved.)
   for want, got in zip(results["xla"], results["pallas"]):
     np.testing.assert_allclose(got, want, atol=0.01 * np.abs(want).max(), err_msg=f"{seed=}")
-  calls = len(re.findall(r"jit\[name=residual_norm\b", results["pallas-jaxpr"]))
-  # Two per layer and decode step (the scan traces its body once); none in the prefill or on the XLA path.
-  assert calls == 2 * steps.shape[1] * (config.num_layers if per_layer else 1), calls
-  assert "decode_residual_norm" not in results["xla-jaxpr"]
+  # Per layer and decode step (the scan traces its body once) two norm kernels and, where gate|up is one launch,
+  # one SwiGLU kernel; none in the prefill or on the XLA path.
+  calls = [len(re.findall(rf"jit\[name={name}\b", results["pallas-jaxpr"])) for name in ("residual_norm", "swiglu")]
+  per_step = config.num_layers if per_layer else 1
+  assert calls == [2 * steps.shape[1] * per_step, steps.shape[1] * per_step if per_layer else 0], calls
+  assert "decode_residual_norm" not in results["xla-jaxpr"] and "decode_swiglu" not in results["xla-jaxpr"]
 
 
 def test_gemv_lora_xa_without_a_kernel_is_the_usual_program():

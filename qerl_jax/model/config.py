@@ -63,11 +63,12 @@ class ModelConfig:
   # pallas took the NVFP4 step 10.52 -> 9.76 ms at batch 64, 6.21 -> 6.03 at 8, and bf16 8.39 -> 7.41 at 64;
   # 5.31 vs 5.38 at batch 1 (noise).
   decode_attention: str = "auto"
-  # One-token decode steps with a cache, where o_proj's gemv computes its adapter's x @ A (gemv_lora_xa):
-  # "pallas" ends the attention block in one kernel per row (kernels.decode_residual_norm: the gemv's partial
-  # sums, the adapter's up-projection, the residual add and post_attention_layernorm; interpret mode off the
-  # GPU), "xla" in XLA's kernels (four per layer at a 7B batch-1 step), "auto" pallas on a GPU.
-  decode_residual_norm: str = "auto"
+  # Where a cached one-token decode step's gemv partial sums go, for the projections whose gemv computes the
+  # adapter's x @ A (gemv_lora_xa): "pallas" to the kernel that ends the step they feed (kernels/
+  # decode_residual_norm.py after o_proj and down_proj: sum, adapter, residual add and the next RMSNorm;
+  # kernels/decode_swiglu.py after the gate|up launch; interpret mode off the GPU), "xla" to XLA's kernels (nine
+  # per layer at a 7B batch-1 step), "auto" pallas on a GPU.
+  decode_partials: str = "auto"
   # The rollout's layer loop (`qerl_jax.rollout.engine`): "unrolled" copies, once per rollout, every layer
   # parameter the NVFP4 kernels cannot read in place (16-bit weights, adapters, norms, biases) into its own
   # buffer and keeps the KV cache per layer, so a decode step slices nothing; "scan" slices the stacked
@@ -135,8 +136,8 @@ class ModelConfig:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
     if self.decode_attention not in ("xla", "pallas", "auto"):
       raise ValueError(f"decode_attention={self.decode_attention!r} must be 'xla', 'pallas' or 'auto'")
-    if self.decode_residual_norm not in ("xla", "pallas", "auto"):
-      raise ValueError(f"decode_residual_norm={self.decode_residual_norm!r} must be 'xla', 'pallas' or 'auto'")
+    if self.decode_partials not in ("xla", "pallas", "auto"):
+      raise ValueError(f"decode_partials={self.decode_partials!r} must be 'xla', 'pallas' or 'auto'")
     if self.decode_layers not in ("unrolled", "scan"):
       raise ValueError(f"decode_layers={self.decode_layers!r} must be 'unrolled' or 'scan'")
     if not isinstance(self.fused_lora_max_rows, int) or self.fused_lora_max_rows < 0:

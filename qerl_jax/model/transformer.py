@@ -116,31 +116,56 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, h_BxTxD, p, noise, n
       o = attn.attend(q, k_all, v_all, mask_BxTxS, config.attn_query_chunk)
   x_BxTxD, h = _residual_norm(config, lora_scale, x_BxTxD, o, p["o_proj"], p["post_attention_layernorm"],
                               noise.get("post_attention_layernorm"), fused, gemv_xa, decode)
-  g, u = (y.astype(jnp.float32)
-          for y in linears(h, [p["gate_proj"], p["up_proj"]], lora_scale, fused, gemv_xa, shared_a.get("gate_up"),
-                           merged.get("gate_up")))
-  m = (jax.nn.silu(g) * u).astype(x_BxTxD.dtype)
+  m = _swiglu(config, lora_scale, h, p, shared_a.get("gate_up"), merged.get("gate_up"), fused, gemv_xa, decode,
+              x_BxTxD.dtype)
   x_BxTxD, h_next = _residual_norm(config, lora_scale, x_BxTxD, m, p["down_proj"], *next_norm, fused, gemv_xa,
                                    decode)
   return x_BxTxD, h_next, kv
 
 
+def _partials_to_pallas(config: ModelConfig, decode: bool, gemv_xa: bool) -> tuple[bool, bool]:
+  """(whether a decode step's gemv partials go to the Pallas kernels that end its steps, interpret mode)."""
+  on_gpu = jax.default_backend() == "gpu"
+  wanted = config.decode_partials == "pallas" or config.decode_partials == "auto" and on_gpu
+  return decode and gemv_xa and wanted, not on_gpu
+
+
+def _swiglu(config: ModelConfig, lora_scale: float, h_BxTxD: jax.Array, p, a_KxRs, merged, fused: bool,
+            gemv_xa: bool, decode: bool, dtype) -> jax.Array:
+  """SiLU(gate_proj(h)) * up_proj(h) in ``dtype``. At a decode step whose gate|up group launch computes the
+  adapters' x @ A, with config.decode_partials on, one kernel adds the launch's partial sums and the adapters'
+  terms and applies SwiGLU (kernels/decode_swiglu.py), with the same roundings."""
+  gate, up = p["gate_proj"], p["up_proj"]
+  pallas, interpret = _partials_to_pallas(config, decode, gemv_xa)
+  if (pallas and merged is not None and merged.get("lora_b") is not None and h_BxTxD.dtype == dtype
+      and gate.get("lora_b") is not None and up.get("lora_b") is not None
+      and gate["lora_b"].shape[0] == up["lora_b"].shape[0] and (gate.get("b") is None) == (up.get("b") is None)
+      and linear_lib.partials_apply(h_BxTxD, merged)):
+    from kernels.decode_swiglu import swiglu  # pylint: disable=import-outside-toplevel
+    parts_SxMx2N, xa_PxMxR = linear_lib.base_matmul_xa_partials(h_BxTxD, merged["w"], merged["lora_a"])
+    n = gate["lora_b"].shape[1]
+    m_MxN = swiglu(parts_SxMx2N, n=n, dtype=dtype, xa_PxMxR=xa_PxMxR, b_gate_RxN=gate["lora_b"],
+                   b_up_RxN=up["lora_b"], lora_scale=lora_scale, bias_gate_N=gate.get("b"), bias_up_N=up.get("b"),
+                   interpret=interpret)
+    return m_MxN.reshape(*h_BxTxD.shape[:-1], n)
+  g, u = (y.astype(jnp.float32) for y in linears(h_BxTxD, [gate, up], lora_scale, fused, gemv_xa, a_KxRs, merged))
+  return (jax.nn.silu(g) * u).astype(dtype)
+
+
 def _residual_norm(config: ModelConfig, lora_scale: float, x_BxTxD: jax.Array, in_BxTxK: jax.Array, proj, norm_D,
                    noise_D, fused: bool, gemv_xa: bool, decode: bool) -> tuple[jax.Array, jax.Array]:
   """(x + proj(in), the RMSNorm (norm_D + noise_D) of it). At a decode step whose gemv computes the adapter's
-  x @ A, with config.decode_residual_norm on, one kernel adds the gemv's partial sums, bias and adapter term to
-  the residual and normalizes (kernels/decode_residual_norm.py), with the same roundings."""
+  x @ A, with config.decode_partials on, one kernel adds the gemv's partial sums, bias and adapter term to the
+  residual and normalizes (kernels/decode_residual_norm.py), with the same roundings."""
   eps = config.rms_norm_eps
-  on_gpu = jax.default_backend() == "gpu"
-  wanted = config.decode_residual_norm == "pallas" or config.decode_residual_norm == "auto" and on_gpu
-  if (decode and wanted and gemv_xa and in_BxTxK.dtype == x_BxTxD.dtype
-      and linear_lib.partials_apply(in_BxTxK, proj)):
+  pallas, interpret = _partials_to_pallas(config, decode, gemv_xa)
+  if pallas and in_BxTxK.dtype == x_BxTxD.dtype and linear_lib.partials_apply(in_BxTxK, proj):
     from kernels.decode_residual_norm import residual_norm  # pylint: disable=import-outside-toplevel
     parts_SxMxD, xa_PxMxR = linear_lib.base_matmul_xa_partials(in_BxTxK, proj["w"], proj["lora_a"])
     shape = x_BxTxD.shape
     x_MxD, h_MxD = residual_norm(x_BxTxD.reshape(-1, shape[-1]), parts_SxMxD, norm_D, eps=eps, xa_PxMxR=xa_PxMxR,
                                  b_RxD=proj["lora_b"], lora_scale=lora_scale, bias_D=proj.get("b"), noise_D=noise_D,
-                                 interpret=not on_gpu)
+                                 interpret=interpret)
     return x_MxD.reshape(shape), h_MxD.reshape(shape)
   x_BxTxD = x_BxTxD + linear(in_BxTxK, proj, lora_scale, fused, gemv_xa=gemv_xa)
   return x_BxTxD, attn.rms_norm(x_BxTxD, norm_D, eps, noise_D)

@@ -1,0 +1,115 @@
+"""kernels/decode_swiglu.py in interpret mode: against its jnp reference and an independent NumPy one."""
+
+import contextlib
+import functools
+import io
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from kernels.decode_swiglu import swiglu, swiglu_reference
+from qerl_jax.model.testing import fresh_seed
+from tests.test_decode_residual_norm import _ulps_apart
+
+# (M, N, S, parts dtype, rank, R, P, bias, block_n): a 7B-like N that no block divides (18944 = 37 x 512) with
+# padded x @ A columns (R > 2r), two rows with biases and a small block, a finished bf16 output, no adapter.
+CASES = [
+  (1, 18944, 5, jnp.float32, 16, 32, 37, False, 512),
+  (2, 200, 3, jnp.float32, 8, 32, 2, True, 64),
+  (1, 96, 1, jnp.bfloat16, 4, 8, 1, False, 512),
+  (3, 160, 4, jnp.float32, 0, 0, 0, True, 128),
+]
+
+
+def _inputs(rng, m, n, s, parts_dtype, rank, r_cols, p, bias):
+  bf16 = jnp.bfloat16
+  args = dict(parts_Sx_Mx2N=jnp.asarray(rng.standard_normal((s, m, 2 * n)) * 2, parts_dtype), n=n, dtype=bf16)
+  if rank:
+    xa = rng.standard_normal((p, m, r_cols))
+    xa[:, :, 2 * rank:] = 0.0  # the group's zero columns up to a power-of-two rank
+    args.update(xa_PxMxR=jnp.asarray(xa, jnp.float32), lora_scale=2.0,
+                b_gate_RxN=jnp.asarray(rng.standard_normal((rank, n)) * 0.1, bf16),
+                b_up_RxN=jnp.asarray(rng.standard_normal((rank, n)) * 0.1, bf16))
+  if bias:
+    args.update(bias_gate_N=jnp.asarray(rng.standard_normal(n), bf16),
+                bias_up_N=jnp.asarray(rng.standard_normal(n), bf16))
+  return args
+
+
+def _numpy(parts_Sx_Mx2N, n, dtype, xa_PxMxR=None, b_gate_RxN=None, b_up_RxN=None, lora_scale=1.0,
+           bias_gate_N=None, bias_up_N=None):
+  """The same steps in float64 NumPy, rounding to bf16 where the model does."""
+  del dtype
+  f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+  bf = lambda a: np.asarray(a, np.float64).astype(ml_dtypes.bfloat16).astype(np.float64)
+  y = bf(f64(parts_Sx_Mx2N).sum(0))
+  halves = [y[:, :n], y[:, n:]]
+  if bias_gate_N is not None:
+    halves = [bf(h + f64(b)) for h, b in zip(halves, (bias_gate_N, bias_up_N))]
+  if b_gate_RxN is not None:
+    r = b_gate_RxN.shape[0]
+    xa = bf(f64(xa_PxMxR).sum(0))
+    halves = [bf(h + bf(lora_scale * (xa[:, first:first + r] @ f64(b))))
+              for h, first, b in zip(halves, (0, r), (b_gate_RxN, b_up_RxN))]
+  g, u = halves
+  return bf(g / (1 + np.exp(-g)) * u)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_swiglu_matches_the_unfused_steps(case):
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  *shape, block_n = CASES[case]
+  args = _inputs(rng, *shape)
+  got = swiglu(**args, block_n=block_n, interpret=True)
+  want, want64 = swiglu_reference(**args), _numpy(**args)
+  assert got.shape == (shape[0], shape[1]) and got.dtype == jnp.bfloat16
+  apart = _ulps_apart(got, want)
+  assert (apart <= 1.01).all() and (apart > 0).mean() < 0.02, f"{seed=}: {apart.max()}"
+  assert (_ulps_apart(got, want64) <= 1.01).all(), f"{seed=}"
+
+
+def test_swiglu_leaves_out_no_term():
+  rng = np.random.default_rng(fresh_seed())
+  args = _inputs(rng, 2, 200, 3, jnp.float32, 8, 32, 2, True)
+  got = swiglu(**args, block_n=64, interpret=True)
+  for names in (("bias_gate_N", "bias_up_N"), ("xa_PxMxR", "b_gate_RxN", "b_up_RxN")):
+    want = swiglu_reference(**{k: v for k, v in args.items() if k not in names})
+    assert (_ulps_apart(got, want) > 1.01).any(), names
+  swapped = swiglu_reference(**{**args, "b_gate_RxN": args["b_up_RxN"], "b_up_RxN": args["b_gate_RxN"]})
+  assert (_ulps_apart(got, swapped) > 1.01).any()
+
+
+def test_swiglu_rejects_mismatched_inputs():
+  rng = np.random.default_rng(fresh_seed())
+  args = _inputs(rng, 2, 200, 3, jnp.float32, 8, 32, 2, True)
+  with pytest.raises(ValueError, match=r"partials \(3, 2, 400\) must be \[S, M, 2N\] with N=199"):
+    swiglu(**{**args, "n": 199}, interpret=True)
+  with pytest.raises(ValueError, match="x @ A partials and both B's"):
+    swiglu(**{k: v for k, v in args.items() if k != "b_up_RxN"}, interpret=True)
+  with pytest.raises(ValueError, match=r"must both be \[r, N=200\]"):
+    swiglu(**{**args, "b_up_RxN": args["b_up_RxN"][:4]}, interpret=True)
+  with pytest.raises(ValueError, match="both projections"):
+    swiglu(**{k: v for k, v in args.items() if k != "bias_up_N"}, interpret=True)
+
+
+def test_swiglu_lowers_to_one_triton_kernel():
+  # The Pallas -> Triton step interpret mode skips, for a CUDA GPU; a module that does not verify prints in
+  # MLIR's generic form ("builtin.module"(...)).
+  rng = np.random.default_rng(fresh_seed())
+  args = _inputs(rng, 1, 18944, 5, jnp.float32, 16, 32, 37, True)
+  static = {k: args.pop(k) for k in ("n", "dtype", "lora_scale")}
+  original, printed = pl.pallas_call, io.StringIO()
+  pl.pallas_call = functools.partial(original, debug=True)  # the kernel looks pallas_call up at call time
+  try:
+    with contextlib.redirect_stdout(printed):
+      text = jax.jit(lambda a: swiglu(**a, **static)).trace(args).lower(lowering_platforms=("cuda",)).as_text()
+  finally:
+    pl.pallas_call = original
+  assert text.count("__gpu$xla.gpu.triton") == 1 and "decode_swiglu" in text
+  module = printed.getvalue()
+  assert "module @" in module and '"builtin.module"' not in module, module[-3000:]
