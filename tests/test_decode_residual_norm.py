@@ -14,13 +14,13 @@ from jax.experimental import pallas as pl
 from kernels.decode_residual_norm import residual_norm, residual_norm_reference
 from qerl_jax.model.testing import fresh_seed
 
-# (M, D, S, parts dtype, rank, P, bias, noise): one row at a 7B-like width whose half is not a power of two
-# (3584 / 2 = 1792 pairs in a block of 2048), two rows with every term, a finished bf16 output (S = 1), no adapter.
+# (M, D, S, parts dtype, rank, P, bias, noise, block_d): one row at 7B's width (14 blocks of 256), two rows with
+# every term in 3 blocks, a finished bf16 output (S = 1) in one block, no adapter and a ragged last block.
 CASES = [
-  (1, 3584, 5, jnp.float32, 16, 7, False, False),
-  (2, 96, 3, jnp.float32, 8, 2, True, True),
-  (1, 64, 1, jnp.bfloat16, 4, 1, False, True),
-  (3, 160, 4, jnp.float32, 0, 0, True, False),
+  (1, 3584, 5, jnp.float32, 16, 7, False, False, 256),
+  (2, 96, 3, jnp.float32, 8, 2, True, True, 32),
+  (1, 64, 1, jnp.bfloat16, 4, 1, False, True, 256),
+  (3, 160, 4, jnp.float32, 0, 0, True, False, 64),
 ]
 
 
@@ -66,8 +66,9 @@ def _ulps_apart(got, want):
 def test_residual_norm_matches_the_unfused_steps(case):
   seed = fresh_seed()
   rng = np.random.default_rng(seed)
-  args = _inputs(rng, *CASES[case])
-  x_new, h = residual_norm(**args, eps=1e-6, interpret=True)
+  *shape, block_d = CASES[case]
+  args = _inputs(rng, *shape)
+  x_new, h = residual_norm(**args, eps=1e-6, block_d=block_d, interpret=True)
   ref_x, ref_h = residual_norm_reference(**args, eps=1e-6)
   np_x, np_h = _numpy(**args, eps=1e-6)
   assert x_new.shape == h.shape == args["x_MxD"].shape and x_new.dtype == h.dtype == jnp.bfloat16
@@ -76,8 +77,11 @@ def test_residual_norm_matches_the_unfused_steps(case):
   x_apart, h_apart = _ulps_apart(x_new, ref_x), _ulps_apart(h, ref_h)
   assert (x_apart <= 1.01).all() and (x_apart > 0).mean() < 0.01, f"{seed=}: x {x_apart.max()}"
   assert (h_apart <= 1.01).all() and (h_apart > 0).mean() < 0.02, f"{seed=}: h {h_apart.max()}"
-  # Against float64 NumPy, rounding at the same places: the same within one ulp.
-  assert (_ulps_apart(x_new, np_x) <= 1.01).all() and (_ulps_apart(h, np_h) <= 1.01).all(), f"{seed=}"
+  # Against float64 NumPy, rounding at the same places: the same within one ulp, but where float32 and float64
+  # land on either side of an earlier bf16 rounding (then one ulp of that intermediate, a few of the output's).
+  for got, want in ((x_new, np_x), (h, np_h)):
+    apart64 = _ulps_apart(got, want)
+    assert (apart64 <= 8).all() and (apart64 > 1.01).mean() < 1e-3, f"{seed=}: {apart64.max()}"
 
 
 def test_residual_norm_leaves_out_no_term():
@@ -104,7 +108,7 @@ def test_residual_norm_rejects_mismatched_shapes():
     residual_norm(**{**args, "noise_D": args["noise_D"][:95]}, eps=1e-6, interpret=True)
 
 
-def test_residual_norm_lowers_to_one_triton_kernel():
+def test_residual_norm_lowers_to_two_triton_kernels():
   # The Pallas -> Triton step interpret mode skips (strided plane loads, scalar x @ A loads), for a CUDA GPU;
   # MLIR prints a module that does not verify in its generic form ("builtin.module"(...)).
   rng = np.random.default_rng(fresh_seed())
@@ -118,6 +122,6 @@ def test_residual_norm_lowers_to_one_triton_kernel():
           lowering_platforms=("cuda",)).as_text()
   finally:
     pl.pallas_call = original
-  assert text.count("__gpu$xla.gpu.triton") == 1 and "decode_residual_norm" in text
+  assert text.count("__gpu$xla.gpu.triton") == 2 and "decode_residual_add" in text and "decode_residual_norm" in text
   module = printed.getvalue()
-  assert "module @" in module and '"builtin.module"' not in module, module[-3000:]
+  assert module.count("module @") == 2 and '"builtin.module"' not in module, module[-3000:]

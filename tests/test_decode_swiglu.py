@@ -56,7 +56,7 @@ def _numpy(parts_Sx_Mx2N, n, dtype, xa_PxMxR=None, b_gate_RxN=None, b_up_RxN=Non
     halves = [bf(h + bf(lora_scale * (xa[:, first:first + r] @ f64(b))))
               for h, first, b in zip(halves, (0, r), (b_gate_RxN, b_up_RxN))]
   g, u = halves
-  return bf(g / (1 + np.exp(-g)) * u)
+  return bf(g / (1 + np.exp(-g)) * u), g
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -66,11 +66,15 @@ def test_swiglu_matches_the_unfused_steps(case):
   *shape, block_n = CASES[case]
   args = _inputs(rng, *shape)
   got = swiglu(**args, block_n=block_n, interpret=True)
-  want, want64 = swiglu_reference(**args), _numpy(**args)
+  want, (want64, g64) = swiglu_reference(**args), _numpy(**args)
   assert got.shape == (shape[0], shape[1]) and got.dtype == jnp.bfloat16
   apart = _ulps_apart(got, want)
   assert (apart <= 1.01).all() and (apart > 0).mean() < 0.02, f"{seed=}: {apart.max()}"
-  assert (_ulps_apart(got, want64) <= 1.01).all(), f"{seed=}"
+  # Against float64 NumPy, rounding at the same places: where float32 and float64 land on either side of a bf16
+  # rounding of g or u, the output moves by one ulp of u, or of g times d log SiLU / d log g (at most 1 + |g|
+  # ulps of the output); elsewhere the same.
+  apart64 = _ulps_apart(got, want64)
+  assert (apart64 <= 2 + np.abs(g64)).all() and (apart64 > 1.01).mean() < 1e-3, f"{seed=}: {apart64.max()}"
 
 
 def test_swiglu_leaves_out_no_term():
