@@ -75,11 +75,10 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, h_BxTxD, p, noise, n
   fused = config.fused_lora and b * t <= config.fused_lora_max_rows  # static: decode calls only
   gemv_xa = config.gemv_lora_xa
   decode = kv is not None
-  h = h_BxTxD
   shared_a = p.get("shared_lora_a", {})  # made once per rollout by `unstack_layers`, else in `linears`
   merged = p.get("merged", {})  # made once per rollout by `with_merged_launches`
-  q, k, v = linears(h, [p["q_proj"], p["k_proj"], p["v_proj"]], lora_scale, fused, gemv_xa, shared_a.get("qkv"),
-                    merged.get("qkv"))
+  q, k, v = linears(h_BxTxD, [p["q_proj"], p["k_proj"], p["v_proj"]], lora_scale, fused, gemv_xa,
+                    shared_a.get("qkv"), merged.get("qkv"))
   q = q.reshape(b, t, config.num_heads, config.head_dim)
   k, v = (y.reshape(b, t, config.num_kv_heads, config.head_dim) for y in (k, v))
   if config.qk_norm:
@@ -114,9 +113,9 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, h_BxTxD, p, noise, n
       # queries can see at all, so a prefill attends over the prompt, not the whole response budget.
       k_all, v_all = k_all[:, :mask_BxTxS.shape[-1]], v_all[:, :mask_BxTxS.shape[-1]]
       o = attn.attend(q, k_all, v_all, mask_BxTxS, config.attn_query_chunk)
-  x_BxTxD, h = _residual_norm(config, lora_scale, x_BxTxD, o, p["o_proj"], p["post_attention_layernorm"],
-                              noise.get("post_attention_layernorm"), fused, gemv_xa, decode)
-  m = _swiglu(config, lora_scale, h, p, shared_a.get("gate_up"), merged.get("gate_up"), fused, gemv_xa, decode,
+  x_BxTxD, h_BxTxD = _residual_norm(config, lora_scale, x_BxTxD, o, p["o_proj"], p["post_attention_layernorm"],
+                                    noise.get("post_attention_layernorm"), fused, gemv_xa, decode)
+  m = _swiglu(config, lora_scale, h_BxTxD, p, shared_a.get("gate_up"), merged.get("gate_up"), fused, gemv_xa, decode,
               x_BxTxD.dtype)
   x_BxTxD, h_next = _residual_norm(config, lora_scale, x_BxTxD, m, p["down_proj"], *next_norm, fused, gemv_xa,
                                    decode)
