@@ -12,8 +12,9 @@ dtype, then the bias and the adapter's term are added, each rounded as `qerl_jax
 then the residual add in x's dtype, then `qerl_jax.model.attention.rms_norm` in float32. Only the order of the
 float32 sums differs from XLA's.
 
-Measured on an H200 (experiments/RESULTS.md): one program per row (86dbcd0, 8103cc0) took 10-18 us per call
-at batch 1 against ~6 us for XLA's four kernels: one SM cannot stream the 0.2 MB (partials, B) fast enough.
+Measured on an H200 (experiments/RESULTS.md, "At e127210"): one program per row (86dbcd0, 6eb9863) took 11-18 us
+per call at batch 1 against ~6 us for XLA's four kernels (one SM does not stream the ~0.2 MB of partials and B
+fast enough); these two launches take 2.7-3.6 us and 1.4 us.
 """
 
 from __future__ import annotations

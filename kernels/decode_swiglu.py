@@ -4,7 +4,8 @@ At a batch-1 7B decode step the gate|up group launch (``nvfp4_gemv.nvfp4_gemv_xa
 sums of y = h @ [W_gate | W_up] over its K split and of the adapters' x @ [A_gate | A_up]. XLA then ran three
 small kernels per layer before down_proj's gemv (the x @ A sum; the partials' sum with each adapter's
 up-projection; SiLU(gate) * up), ~157 us per step at 86dbcd0. Here one launch does it, its programs over column
-blocks of N: unlike a norm there is nothing to reduce across a row.
+blocks of N: unlike a norm there is nothing to reduce across a row. On an H200 at e127210 it took 4.75 us per
+call (133 us per step; experiments/RESULTS.md, "At e127210").
 
 Rounding follows the unfused model (``swiglu_reference``; `qerl_jax.model.linear.merged_linears` and
 `qerl_jax.model.transformer._layer`): y's sum rounded to x's dtype, each projection's bias and adapter term added
