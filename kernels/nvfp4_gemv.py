@@ -358,13 +358,16 @@ def nvfp4_gemv_xa_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: j
   the others stream the weight, and only their float32 partial sums [programs, M, r] are added by XLA.
   x @ A is in float32 from A's values (PEFT casts x to A's dtype: bf16 x is exact in float32 either way).
   """
-  k = x_MxK.shape[1]
-  if config.engine != "gemv":
-    raise ValueError(f"x @ A rides in the gemv engine only (at most {GEMV_MAX_ROWS} rows), not {config}")
-  if a_KxR.ndim != 2 or a_KxR.shape[0] != k:
-    raise ValueError(f"A.shape={tuple(a_KxR.shape)} must be (K={k}, r)")
+  _check_xa(x_MxK, a_KxR, config)
   return _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, config, interpret, poison, layer, ([], Epilogue()),
                  a_KxR)
+
+
+def _check_xa(x_MxK: jax.Array, a_KxR: jax.Array, config: Nvfp4MatmulConfig) -> None:
+  if config.engine != "gemv":
+    raise ValueError(f"x @ A rides in the gemv engine only (at most {GEMV_MAX_ROWS} rows), not {config}")
+  if a_KxR.ndim != 2 or a_KxR.shape[0] != x_MxK.shape[1]:
+    raise ValueError(f"A.shape={tuple(a_KxR.shape)} must be (K={x_MxK.shape[1]}, r)")
 
 
 def nvfp4_gemv_xa_partials(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array, global_scale: jax.Array,
@@ -373,9 +376,6 @@ def nvfp4_gemv_xa_partials(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb:
   """`nvfp4_gemv_xa_pallas` without the sums XLA adds after it: (y's partial sums over the K split [S, M, N]
   (float32; x's dtype when S = 1), x @ A's over the extra programs [P, M, r] float32), for a kernel that adds
   them itself (``kernels.decode_residual_norm``). Not differentiable: decode steps only."""
-  if config.engine != "gemv":
-    raise ValueError(f"x @ A rides in the gemv engine only (at most {GEMV_MAX_ROWS} rows), not {config}")
-  if a_KxR.ndim != 2 or a_KxR.shape[0] != x_MxK.shape[1]:
-    raise ValueError(f"A.shape={tuple(a_KxR.shape)} must be (K={x_MxK.shape[1]}, r)")
+  _check_xa(x_MxK, a_KxR, config)
   return _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, config, interpret, poison, layer, ([], Epilogue()),
                  a_KxR, partials=True)

@@ -400,9 +400,10 @@ def test_decode_partials_to_pallas_give_the_xla_decode_logits(monkeypatch, per_l
   # sums to one kernel each that adds them, the adapter and the residual, then applies the next norm
   # (post_attention_layernorm; the next block's input_layernorm, or the final norm after the last block)
   # (kernels.decode_residual_norm), and the gate|up launch its partials to kernels.decode_swiglu, all in
-  # interpret mode here, as the gemvs are. The per-layer loop merges gate|up into one launch, as rollouts do. Logits of a prefill and two decode
-  # steps of two rows, with AQN noise on both block norms (large, so that leaving it out, or taking another
-  # layer's, shows), equal the XLA path's; the prefill (8 rows a call) keeps XLA's path. Both layer loops.
+  # interpret mode here, as the gemvs are. The per-layer loop merges gate|up into one launch, as rollouts do.
+  # Logits of a prefill and two decode steps of two rows, with AQN noise on both block norms (large, so that
+  # leaving it out, or taking another layer's, shows), equal the XLA path's; the prefill (8 rows a call) keeps
+  # XLA's path. Both layer loops.
   import kernels
   from qerl_jax.model.transformer import unstack_layers, with_merged_launches
   seed, config, model, tokens, params = _nvfp4_bf16_case(lora_dtype=jnp.bfloat16)
