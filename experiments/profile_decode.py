@@ -155,6 +155,14 @@ def decode_program(sampling):
   return decode
 
 
+def use_tuning(path: str) -> None:
+  """The kernel tuning the next trace reads: ``path`` through QERL_KERNEL_TUNING, or the shipped file ("")."""
+  if path:
+    os.environ["QERL_KERNEL_TUNING"] = path
+  else:
+    os.environ.pop("QERL_KERNEL_TUNING", None)
+
+
 def run(args):
   import jax
   import jax.numpy as jnp
@@ -167,10 +175,12 @@ def run(args):
   for quant in args.quants:
     base = synthetic_base(model_config(args.model), quant)
     # bf16 has no kernel epilogue and nothing to merge
-    variants = [(a, l, f, g) for l in args.decode_layers for a in args.decode_attention
+    variants = [(a, l, f, g, t) for l in args.decode_layers for a in args.decode_attention
                 for f in (args.lora_epilogue if quant == "nvfp4" else ["xla"])
-                for g in (args.merged_launches if quant == "nvfp4" else ["none"])]
-    for attention, layers, epilogue, groups in variants:
+                for g in (args.merged_launches if quant == "nvfp4" else ["none"])
+                for t in (args.tunings if quant == "nvfp4" else [""])]
+    for attention, layers, epilogue, groups, tuning in variants:
+      use_tuning(tuning)
       config = model_config(args.model).replace(decode_attention=attention, decode_layers=layers,
                                                 fused_lora=epilogue.startswith("fused"),
                                                 gemv_lora_xa=epilogue.endswith("gemv-xa"),
@@ -204,12 +214,13 @@ def run(args):
                    span_ms_per_step=span / 1e3 / args.steps,
                    kernels_us_per_step={k: v / args.steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
                    kernel_details={k: details[k] for k in sorted(totals, key=totals.get, reverse=True)[:60]},
-                   busy_us_by_thread=busy, device=jax.devices()[0].device_kind, commit=commit(),
+                   busy_us_by_thread=busy, tuning=tuning or "shipped",
+                   device=jax.devices()[0].device_kind, commit=commit(),
                    jax=jax.__version__)
         rec["calls_per_step"] = {k: details[k]["calls"] / args.steps for k in rec["kernel_details"]}
         records.append(rec)
         print(f"\n{quant:6s} b{batch:<3d} attn={attention:6s} layers={layers:8s} lora={epilogue:5s} "
-              f"merged={rec['rollout_merged_launches'] or 'none'} "
+              f"merged={rec['rollout_merged_launches'] or 'none'} tuning={rec['tuning']} "
               f"{ms_step:7.2f} ms/step wall, kernels {kernel_ms:6.2f} ms/step, span {rec['span_ms_per_step']:6.2f}",
               flush=True)
         for name, us in list(rec["kernels_us_per_step"].items())[:args.top]:
@@ -245,6 +256,9 @@ def main():
                  help="NVFP4: comma-separated groups (qkv, gate_up) as one launch each "
                       "(ModelConfig.rollout_merged_launches; auto = both, the default; none = one per projection); "
                       "several values run one after another on the same weights, e.g. 'none auto'")
+  p.add_argument("--tunings", nargs="+", default=[""], metavar="PATH",
+                 help="kernel tuning files to compare in one process (each through QERL_KERNEL_TUNING; \"\" is the "
+                      "shipped one): each NVFP4 variant is traced and timed once per file")
   p.add_argument("--cache-len", type=int, default=1280)
   p.add_argument("--start", type=int, default=768, help="first cache slot written (mid-rollout)")
   p.add_argument("--steps", type=int, default=16)
@@ -261,11 +275,11 @@ def main():
   with open(args.out, "w") as f:
     json.dump(records, f)
   print(f"\n{'quant':6s} {'batch':>5s} {'attn':6s} {'layers':8s} {'lora':13s} {'merged':12s} {'wall ms':>8s} "
-        f"{'kernel ms':>9s}")
+        f"{'kernel ms':>9s}  tuning")
   for r in records:
     print(f"{r['quant']:6s} {r['batch']:5d} {r['decode_attention']:6s} {r['decode_layers']:8s} "
           f"{lora_label(r):13s} {r['rollout_merged_launches'] or 'none':12s} "
-          f"{r['ms_per_step']:8.2f} {r['kernel_ms_per_step']:9.2f}")
+          f"{r['ms_per_step']:8.2f} {r['kernel_ms_per_step']:9.2f}  {r['tuning']}")
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels.decode_qkv import padded_heads
+
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
-_MIN_DOT_ROWS = 16  # Triton's tensor-core dots need at least 16 rows
 
 
 def decode_attention_kernel(*refs, batch: int, seq: int, cache_len: int, kv_heads: int, group: int, gp: int,
@@ -158,10 +159,24 @@ def _attend(q_BxHxD, k_cache, v_cache, layer, mask_BxS, limit, new_kv, *, block_
   [L * B * C, Hkv * Dh] when `new_kv` gives this token's (k, v) [B, Hkv, Dh] to store at slot `limit`)."""
   _check(q_BxHxD, k_cache, v_cache, mask_BxS, block_s)
   b, h, d = q_BxHxD.shape
+  gp = padded_heads(h, k_cache.shape[3])
+  # float32 holds any activation or cache dtype exactly; k and v are rounded to the cache's, as a write would.
+  rows = [q_BxHxD] + ([] if new_kv is None else [y.astype(k_cache.dtype) for y in new_kv])
+  rows = jnp.concatenate([y.astype(jnp.float32) for y in rows] + [jnp.zeros((b, gp, d), jnp.float32)], axis=1)
+  return _attend_rows(rows, k_cache, v_cache, layer, mask_BxS, limit, new_kv is not None, heads=h,
+                      q_dtype=q_BxHxD.dtype, block_s=block_s, splits=splits, num_warps=num_warps,
+                      interpret=interpret)
+
+
+def _attend_rows(rows, k_cache, v_cache, layer, mask_BxS, limit, update: bool, *, heads: int, q_dtype, block_s,
+                 splits, num_warps, interpret):
+  """`_attend` from its one input array: rows float32 [B, H (+ 2 Hkv with ``update``) + Gp, Dh]."""
+  b, _, d = rows.shape
   num_layers, _, cache_len, kvh, _ = k_cache.shape
+  h = heads
   seq = mask_BxS.shape[-1]
   g = h // kvh
-  gp = max(_MIN_DOT_ROWS, 1 << (g - 1).bit_length())
+  gp = padded_heads(h, kvh)
   splits, blocks_per_split = _split_plan(b, kvh, seq, block_s, splits)
   layer_1 = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
   limit_1 = jnp.reshape(jnp.asarray(limit, jnp.int32), (1,))
@@ -169,16 +184,13 @@ def _attend(q_BxHxD, k_cache, v_cache, layer, mask_BxS, limit, new_kv, *, block_
   v2 = v_cache.reshape(num_layers * b * cache_len, kvh * d)
   kernel = functools.partial(decode_attention_kernel, batch=b, seq=seq, cache_len=cache_len, kv_heads=kvh,
                              group=g, gp=gp, head_dim=d, block_s=block_s, blocks_per_split=blocks_per_split,
-                             update=new_kv is not None, q_dtype=q_BxHxD.dtype)
+                             update=update, q_dtype=q_dtype)
   sp = 1 << (splits - 1).bit_length()  # the merge loads all splits as one power-of-two block
   out_shape = [jax.ShapeDtypeStruct((sp, b, kvh, gp, d), jnp.float32),
                jax.ShapeDtypeStruct((sp, b, kvh, gp), jnp.float32)]
-  # float32 holds any activation or cache dtype exactly; k and v are rounded to the cache's, as a write would.
-  rows = [q_BxHxD] + ([] if new_kv is None else [y.astype(k2.dtype) for y in new_kv])
-  rows = jnp.concatenate([y.astype(jnp.float32) for y in rows] + [jnp.zeros((b, gp, d), jnp.float32)], axis=1)
   inputs = [rows, layer_1, limit_1, mask_BxS.astype(jnp.int32), k2, v2]
   aliases = {}
-  if new_kv is not None:
+  if update:
     out_shape += [jax.ShapeDtypeStruct(k2.shape, k2.dtype), jax.ShapeDtypeStruct(v2.shape, v2.dtype)]
     aliases = {4: 2, 5: 3}  # the caches are written in place: one slot per (row, kv head)
   o_part, lse, *caches = pl.pallas_call(
@@ -191,11 +203,11 @@ def _attend(q_BxHxD, k_cache, v_cache, layer, mask_BxS, limit, new_kv, *, block_
       name="decode_attention",
   )(*inputs)
   if splits == 1:  # nothing to merge (e.g. 128 rollout rows of 7B: b * kvh programs fill the GPU)
-    out = o_part[0, :, :, :g].reshape(b, h * d).astype(q_BxHxD.dtype)
+    out = o_part[0, :, :, :g].reshape(b, h * d).astype(q_dtype)
   else:  # one kernel, where XLA's softmax over the splits and weighted sum took ~6 small ones per layer
     out = pl.pallas_call(
         functools.partial(merge_kernel, splits=splits, kv_heads=kvh, group=g, head_dim=d),
-        out_shape=jax.ShapeDtypeStruct((b, h, d), q_BxHxD.dtype),
+        out_shape=jax.ShapeDtypeStruct((b, h, d), q_dtype),
         grid=(b * h,),
         compiler_params=plgpu.CompilerParams(num_warps=1),
         interpret=interpret,
@@ -238,4 +250,25 @@ def decode_attention_update(q_BxHxD: jax.Array, k_new_BxKxD: jax.Array, v_new_Bx
                      f"[B, Hkv, Dh] of the cache {k_cache.shape}")
   out, (k2, v2) = _attend(q_BxHxD, k_cache, v_cache, layer, mask_BxS, slot, (k_new_BxKxD, v_new_BxKxD),
                           block_s=block_s, splits=splits, num_warps=num_warps, interpret=interpret)
+  return out, k2.reshape(k_cache.shape), v2.reshape(v_cache.shape)
+
+
+def decode_attention_rows(rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, slot, mask_BxS: jax.Array,
+                          *, heads: int, dtype, block_s: int = 64, splits: int | None = None, num_warps: int = 4,
+                          interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`decode_attention_update` from the kernel's input array as `kernels.decode_qkv.qkv_rows` writes it.
+
+  rows: float32 [B, H + 2 Hkv + Gp, Dh]: the ``heads`` query heads in ``dtype`` (the activations'), this token's
+  k and v heads in the cache's dtype, then zero rows (``padded_heads``). Returns (out [B, H * Dh] in ``dtype``,
+  k_cache, v_cache) as `decode_attention_update` does.
+  """
+  b, n_rows, d = rows.shape
+  kvh = k_cache.shape[3]
+  if heads % kvh or n_rows != heads + 2 * kvh + padded_heads(heads, kvh):
+    raise ValueError(f"decode_attention_rows: rows {rows.shape} must be [B, H + 2 Hkv + Gp, Dh] for H={heads} "
+                     f"query heads and the cache's Hkv={kvh}")
+  _check(jax.ShapeDtypeStruct((b, heads, d), dtype), k_cache, v_cache, mask_BxS, block_s)
+  out, (k2, v2) = _attend_rows(rows, k_cache, v_cache, layer, mask_BxS, slot, True, heads=heads,
+                               q_dtype=jnp.dtype(dtype), block_s=block_s, splits=splits, num_warps=num_warps,
+                               interpret=interpret)
   return out, k2.reshape(k_cache.shape), v2.reshape(v_cache.shape)

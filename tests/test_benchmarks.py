@@ -258,6 +258,25 @@ def test_profile_decode_runs_every_variant(tmp_path):
   assert all(r["ms_per_step"] > 0 and r["commit"] == "test" for r in records)
 
 
+def test_profile_decode_tunings_reach_the_kernel_configs(tmp_path, monkeypatch):
+  # --tunings: each file is what the next trace's kernel configs read (QERL_KERNEL_TUNING), "" the shipped one.
+  from experiments import profile_decode
+  from kernels import config as config_lib
+  monkeypatch.delenv("QERL_KERNEL_TUNING", raising=False)
+  shipped = config_lib.get_config("fwd", 1, 3584, 18944, "NVIDIA H200")
+  data = json.loads(open(config_lib._device_file("NVIDIA H200")).read())  # pylint: disable=protected-access
+  entry = next(e for e in data["entries"] if e["direction"] == "fwd" and e["max_rows"] == 1)
+  entry["config"]["programs_per_sm"] = 2 * entry["config"]["programs_per_sm"]
+  variant = tmp_path / "variant.json"
+  variant.write_text(json.dumps(data))
+  profile_decode.use_tuning(str(variant))
+  doubled = config_lib.get_config("fwd", 1, 3584, 18944, "NVIDIA H200")
+  assert doubled.programs_per_sm == 2 * shipped.programs_per_sm and doubled.split > shipped.split
+  profile_decode.use_tuning("")
+  assert "QERL_KERNEL_TUNING" not in os.environ
+  assert config_lib.get_config("fwd", 1, 3584, 18944, "NVIDIA H200") == shipped
+
+
 @pytest.mark.slow
 def test_profile_decode_runs_merged_launch_variants_on_the_same_weights(tmp_path):
   # --merged-launches none auto: both in one process (the group launch A/B); bf16 has nothing to merge.

@@ -266,10 +266,10 @@ def test_prefill_at_a_static_cache_index_attends_only_to_visible_slots(model_and
     np.testing.assert_array_equal(np.asarray(static_cache[key][:, :, prompt_len:]), 0.0)
 
 
-def _nvfp4_bf16_case(lora_dtype=jnp.float32):
+def _nvfp4_bf16_case(lora_dtype=jnp.float32, qk_norm=True):
   """(seed, config, model, tokens, params): an NVFP4 model with bf16 activations and nonzero adapters."""
   seed = fresh_seed()
-  config = tiny_config(dtype="bfloat16")
+  config = tiny_config(dtype="bfloat16", qk_norm=qk_norm)
   model = random_model(config, seed, quant="nvfp4", lora_dtype=lora_dtype)
   tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 128, (2, 6)))
   return seed, config, model, tokens, model.params()
@@ -394,19 +394,22 @@ def test_gemv_lora_xa_gives_the_same_decode_logits_and_adapter_gradients(monkeyp
   assert len(re.findall(r"name=_shared_launch\b", shared_jaxpr)) == 7 and "nvfp4_gemv_xa" not in plain_jaxpr
 
 
-@pytest.mark.parametrize("per_layer", [False, True])
-def test_decode_partials_to_pallas_give_the_xla_decode_logits(monkeypatch, per_layer):
+@pytest.mark.parametrize("loop", ["scan", "per_layer", "per_layer_qkv"])
+def test_decode_partials_to_pallas_give_the_xla_decode_logits(monkeypatch, loop):
   # config.decode_partials="pallas": at a cached decode step o_proj's and down_proj's gemvs hand their partial
   # sums to one kernel each that adds them, the adapter and the residual, then applies the next norm
   # (post_attention_layernorm; the next block's input_layernorm, or the final norm after the last block)
-  # (kernels.decode_residual_norm), and the gate|up launch its partials to kernels.decode_swiglu, all in
-  # interpret mode here, as the gemvs are. The per-layer loop merges gate|up into one launch, as rollouts do.
-  # Logits of a prefill and two decode steps of two rows, with AQN noise on both block norms (large, so that
-  # leaving it out, or taking another layer's, shows), equal the XLA path's; the prefill (8 rows a call) keeps
-  # XLA's path. Both layer loops.
+  # (kernels.decode_residual_norm), the gate|up launch its partials to kernels.decode_swiglu, and (with the
+  # Pallas decode attention and no q/k norms) the q|k|v launch its partials to kernels.decode_qkv, which writes
+  # the attention kernel's input with RoPE; all in interpret mode here, as the gemvs are. The per-layer loops
+  # merge q|k|v and gate|up into one launch each, as rollouts do; "per_layer" keeps the q/k norms (Qwen3), so
+  # its q|k|v stays with XLA. Logits of a prefill and two decode steps of two rows, with AQN noise on both
+  # block norms (large, so that leaving it out, or taking another layer's, shows), equal the XLA path's; the
+  # prefill (8 rows a call) keeps XLA's path.
   import kernels
   from qerl_jax.model.transformer import unstack_layers, with_merged_launches
-  seed, config, model, tokens, params = _nvfp4_bf16_case(lora_dtype=jnp.bfloat16)
+  per_layer = loop != "scan"
+  seed, config, model, tokens, params = _nvfp4_bf16_case(lora_dtype=jnp.bfloat16, qk_norm=loop != "per_layer_qkv")
   monkeypatch.setattr(kernels, "nvfp4_matmul_xa", functools.partial(kernels.nvfp4_matmul_xa, interpret=True))
   monkeypatch.setattr(kernels, "xa_shares_launch", functools.partial(kernels.xa_shares_launch, interpret=True))
   monkeypatch.setattr(kernels, "nvfp4_matmul_xa_partials",
@@ -414,22 +417,27 @@ def test_decode_partials_to_pallas_give_the_xla_decode_logits(monkeypatch, per_l
   rng = np.random.default_rng(seed)
   noise = {name: jnp.asarray(0.5 * rng.standard_normal((config.num_layers, config.hidden_size)), jnp.float32)
            for name in ("input_layernorm", "post_attention_layernorm")}
-  params = with_merged_launches(unstack_layers(params), ("gate_up",)) if per_layer else params
+  params = with_merged_launches(unstack_layers(params), ("qkv", "gate_up")) if per_layer else params
+  attention = "pallas" if per_layer else "xla"
   prompt, steps = tokens[:, :4], tokens[:, 4:]
+  # Row 1's first slot is padding: the rows' RoPE positions differ, so a row given the other's shows.
+  valid = jnp.asarray(np.arange(8)[None, :] >= np.asarray([[0], [1]]))
+  positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
 
   def run(cfg):
     cache = init_cache(config, 2, 8, per_layer=per_layer)
-    logits, cache = forward(params, cfg, model.lora_scale, prompt, cache=cache, cache_index=0, norm_noise=noise)
+    logits, cache = forward(params, cfg, model.lora_scale, prompt, positions[:, :4], cache=cache, cache_index=0,
+                            valid_BxS=valid, norm_noise=noise)
     out = [logits]
     for i in range(steps.shape[1]):
-      logits, cache = forward(params, cfg, model.lora_scale, steps[:, i:i + 1], cache=cache, cache_index=4 + i,
-                              norm_noise=noise)
+      logits, cache = forward(params, cfg, model.lora_scale, steps[:, i:i + 1], positions[:, 4 + i:5 + i],
+                              cache=cache, cache_index=4 + i, valid_BxS=valid, norm_noise=noise)
       out.append(logits)
     return out
 
   results = {}
   for mode in ("xla", "pallas"):
-    cfg = config.replace(gemv_lora_xa=True, decode_partials=mode)
+    cfg = config.replace(gemv_lora_xa=True, decode_partials=mode, decode_attention=attention)
     results[mode] = [np.asarray(y, np.float32) for y in jax.jit(lambda p, cfg=cfg: run(cfg))(params)]
     results[mode + "-jaxpr"] = str(jax.make_jaxpr(lambda p, cfg=cfg: run(cfg))(params))
   # (Within the bf16 rounding flips that two orders of the same float32 sums make: the gemv_lora_xa test's
@@ -437,11 +445,44 @@ def test_decode_partials_to_pallas_give_the_xla_decode_logits(monkeypatch, per_l
   for want, got in zip(results["xla"], results["pallas"]):
     np.testing.assert_allclose(got, want, atol=0.01 * np.abs(want).max(), err_msg=f"{seed=}")
   # Per layer and decode step (the scan traces its body once) two norm kernels and, where gate|up is one launch,
-  # one SwiGLU kernel; none in the prefill or on the XLA path.
-  calls = [len(re.findall(rf"jit\[name={name}\b", results["pallas-jaxpr"])) for name in ("residual_norm", "swiglu")]
+  # one SwiGLU kernel, and one q|k|v kernel where it applies; none in the prefill or on the XLA path.
+  names = ("residual_norm", "swiglu", "qkv_rows")
+  calls = [len(re.findall(rf"jit\[name={name}\b", results["pallas-jaxpr"])) for name in names]
   per_step = config.num_layers if per_layer else 1
-  assert calls == [2 * steps.shape[1] * per_step, steps.shape[1] * per_step if per_layer else 0], calls
-  assert "decode_residual_norm" not in results["xla-jaxpr"] and "decode_swiglu" not in results["xla-jaxpr"]
+  want_calls = [2 * per_step, per_step if per_layer else 0, per_step if loop == "per_layer_qkv" else 0]
+  assert calls == [steps.shape[1] * c for c in want_calls], calls
+  assert not any(f"decode_{name}" in results["xla-jaxpr"] for name in names)
+
+
+def test_decode_qkv_rows_are_the_xla_steps_rows(monkeypatch):
+  # One layer's q|k|v at a decode step through kernels.decode_qkv (`_decode_qkv_rows`) against XLA's steps in
+  # `_layer` (the group launch's outputs with each member's bias and adapter, RoPE at each row's own position,
+  # k and v in the cache's dtype), for two rows at different positions: within one bf16 ulp, rarely apart.
+  import kernels
+  from qerl_jax.model import attention as attn
+  from qerl_jax.model import linear as linear_lib
+  from qerl_jax.model.transformer import _decode_qkv_rows, unstack_layers, with_merged_launches
+  seed, config, model, _, params = _nvfp4_bf16_case(lora_dtype=jnp.bfloat16, qk_norm=False)
+  for name in ("nvfp4_matmul_xa", "xa_shares_launch", "nvfp4_matmul_xa_partials"):
+    monkeypatch.setattr(kernels, name, functools.partial(getattr(kernels, name), interpret=True))
+  p = with_merged_launches(unstack_layers(params), ("qkv",))["layers"][1]
+  rng = np.random.default_rng(seed)
+  h = jnp.asarray(rng.standard_normal((2, 1, config.hidden_size)), jnp.bfloat16)
+  cos, sin = attn.rope_cos_sin(config, jnp.asarray([[5], [2]]))
+  cfg = config.replace(gemv_lora_xa=True, decode_partials="pallas")
+  got = np.asarray(_decode_qkv_rows(cfg, model.lora_scale, h, p, p["merged"]["qkv"], cos, sin, jnp.bfloat16, True))
+  q, k, v = linear_lib.linears(h, [p["q_proj"], p["k_proj"], p["v_proj"]], model.lora_scale, False, True, None,
+                               p["merged"]["qkv"])
+  heads = [y.reshape(2, 1, -1, config.head_dim) for y in (q, k, v)]
+  q, k = (attn.apply_rope(y, cos, sin) for y in heads[:2])
+  zeros = jnp.zeros((2, got.shape[1] - config.num_heads - 2 * config.num_kv_heads, config.head_dim))
+  want = np.asarray(jnp.concatenate([y[:, 0].astype(jnp.float32) for y in (q, k, heads[2])] + [zeros], axis=1))
+  ulp = np.maximum(np.abs(want), 1e-30) * 2.0 ** -7
+  apart = np.abs(got - want) / ulp
+  assert got.shape == want.shape and (apart <= 1.01).all() and (apart > 0).mean() < 0.02, f"{seed=}: {apart.max()}"
+  # q_norm / k_norm (Qwen3) are not in the kernel: XLA keeps those layers.
+  assert _decode_qkv_rows(config.replace(gemv_lora_xa=True, decode_partials="pallas", qk_norm=True),
+                          model.lora_scale, h, p, p["merged"]["qkv"], cos, sin, jnp.bfloat16, True) is None
 
 
 def test_gemv_lora_xa_without_a_kernel_is_the_usual_program():

@@ -77,28 +77,38 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, h_BxTxD, p, noise, n
   decode = kv is not None
   shared_a = p.get("shared_lora_a", {})  # made once per rollout by `unstack_layers`, else in `linears`
   merged = p.get("merged", {})  # made once per rollout by `with_merged_launches`
-  q, k, v = linears(h_BxTxD, [p["q_proj"], p["k_proj"], p["v_proj"]], lora_scale, fused, gemv_xa,
-                    shared_a.get("qkv"), merged.get("qkv"))
-  q = q.reshape(b, t, config.num_heads, config.head_dim)
-  k, v = (y.reshape(b, t, config.num_kv_heads, config.head_dim) for y in (k, v))
-  if config.qk_norm:
-    q = attn.rms_norm(q, p["q_norm"], config.rms_norm_eps, noise.get("q_norm"))
-    k = attn.rms_norm(k, p["k_norm"], config.rms_norm_eps, noise.get("k_norm"))
-  q, k = attn.apply_rope(q, cos, sin), attn.apply_rope(k, cos, sin)
+  on_gpu = jax.default_backend() == "gpu"
+  pallas_attention = decode and t == 1 and (config.decode_attention == "pallas"
+                                            or config.decode_attention == "auto" and on_gpu)
+  rows = (_decode_qkv_rows(config, lora_scale, h_BxTxD, p, merged.get("qkv"), cos, sin, kv[0].dtype, gemv_xa)
+          if pallas_attention else None)
+  if rows is None:
+    q, k, v = linears(h_BxTxD, [p["q_proj"], p["k_proj"], p["v_proj"]], lora_scale, fused, gemv_xa,
+                      shared_a.get("qkv"), merged.get("qkv"))
+    q = q.reshape(b, t, config.num_heads, config.head_dim)
+    k, v = (y.reshape(b, t, config.num_kv_heads, config.head_dim) for y in (k, v))
+    if config.qk_norm:
+      q = attn.rms_norm(q, p["q_norm"], config.rms_norm_eps, noise.get("q_norm"))
+      k = attn.rms_norm(k, p["k_norm"], config.rms_norm_eps, noise.get("k_norm"))
+    q, k = attn.apply_rope(q, cos, sin), attn.apply_rope(k, cos, sin)
   if kv is None:
     o = attn.attend(q, k, v, mask_BxTxS, config.attn_query_chunk)
   else:
     k_cache, v_cache = kv
     stacked = k_cache.ndim == 5  # [L, B, S, Hkv, Dh] and this layer's index, or this layer's [B, S, Hkv, Dh]
-    on_gpu = jax.default_backend() == "gpu"
-    if t == 1 and (config.decode_attention == "pallas" or config.decode_attention == "auto" and on_gpu):
+    if pallas_attention:
       # The kernel reads this layer's cache in place and writes the token's k and v into it.
-      from kernels.decode_attention import decode_attention_update  # pylint: disable=import-outside-toplevel
+      from kernels import decode_attention as kernel  # pylint: disable=import-outside-toplevel
       k_stack, v_stack, index = (k_cache, v_cache, layer) if stacked else (k_cache[None], v_cache[None], 0)
       # Slots past this token's own are invisible to every row: their blocks are not read.
-      o, k_stack, v_stack = decode_attention_update(q[:, 0], k[:, 0].astype(k_cache.dtype),
-                                                    v[:, 0].astype(v_cache.dtype), k_stack, v_stack, index,
-                                                    cache_index, mask_BxTxS[:, 0], interpret=not on_gpu)
+      if rows is None:
+        o, k_stack, v_stack = kernel.decode_attention_update(q[:, 0], k[:, 0].astype(k_cache.dtype),
+                                                             v[:, 0].astype(v_cache.dtype), k_stack, v_stack, index,
+                                                             cache_index, mask_BxTxS[:, 0], interpret=not on_gpu)
+      else:
+        o, k_stack, v_stack = kernel.decode_attention_rows(rows, k_stack, v_stack, index, cache_index,
+                                                           mask_BxTxS[:, 0], heads=config.num_heads,
+                                                           dtype=h_BxTxD.dtype, interpret=not on_gpu)
       o = o[:, None]
       kv = (k_stack, v_stack) if stacked else (k_stack[0], v_stack[0])
     else:
@@ -127,6 +137,26 @@ def _partials_to_pallas(config: ModelConfig, decode: bool, gemv_xa: bool) -> tup
   on_gpu = jax.default_backend() == "gpu"
   wanted = config.decode_partials == "pallas" or config.decode_partials == "auto" and on_gpu
   return decode and gemv_xa and wanted, not on_gpu
+
+
+def _decode_qkv_rows(config: ModelConfig, lora_scale: float, h_BxTxD: jax.Array, p, merged, cos, sin, cache_dtype,
+                     gemv_xa: bool) -> jax.Array | None:
+  """The decode attention kernel's input rows from one kernel over the q|k|v group launch's partials
+  (kernels/decode_qkv.py: sums, biases, adapters, RoPE, the cache's dtype), with config.decode_partials on and
+  every member adapted at one rank; None where that does not apply (then `_layer` runs XLA's steps)."""
+  pallas, interpret = _partials_to_pallas(config, True, gemv_xa)
+  ps = [p[name] for name in SHARED_INPUT["qkv"]]
+  ranks = {None if q.get("lora_b") is None else q["lora_b"].shape[0] for q in ps}
+  if (not pallas or config.qk_norm or merged is None or merged.get("lora_b") is None or len(ranks) != 1
+      or None in ranks or not linear_lib.partials_apply(h_BxTxD, merged)):
+    return None
+  from kernels.decode_qkv import qkv_rows  # pylint: disable=import-outside-toplevel
+  parts_SxMxN, xa_PxMxR = linear_lib.base_matmul_xa_partials(h_BxTxD, merged["w"], merged["lora_a"])
+  b, t, _ = h_BxTxD.shape
+  return qkv_rows(parts_SxMxN, cos.reshape(b * t, -1), sin.reshape(b * t, -1), heads=config.num_heads,
+                  kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=h_BxTxD.dtype,
+                  cache_dtype=cache_dtype, xa_PxMxR=xa_PxMxR, b_RxN=merged["lora_b"], rank=ranks.pop(),
+                  lora_scale=lora_scale, bias_N=merged.get("b"), interpret=interpret)
 
 
 def _swiglu(config: ModelConfig, lora_scale: float, h_BxTxD: jax.Array, p, a_KxRs, merged, fused: bool,
