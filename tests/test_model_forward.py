@@ -447,7 +447,7 @@ def test_decode_partials_to_pallas_give_the_xla_decode_logits(monkeypatch, loop)
   # Per layer and decode step (the scan traces its body once) two norm kernels and, where gate|up is one launch,
   # one SwiGLU kernel, and one q|k|v kernel where it applies; none in the prefill or on the XLA path.
   names = ("residual_norm", "swiglu", "qkv_rows")
-  calls = [len(re.findall(rf"jit\[name={name}\b", results["pallas-jaxpr"])) for name in names]
+  calls = [len(re.findall(rf"jit\[\s*name={name}\b", results["pallas-jaxpr"])) for name in names]
   per_step = config.num_layers if per_layer else 1
   want_calls = [2 * per_step, per_step if per_layer else 0, per_step if loop == "per_layer_qkv" else 0]
   assert calls == [steps.shape[1] * c for c in want_calls], calls
