@@ -413,3 +413,19 @@ def test_ncu_gemv_harness_runs_both_kernels(capsys):
   from experiments import ncu_gemv
   ncu_gemv.main(["--shape", "tiny", "--interpret"])
   assert "tiny: y (1, 64) bfloat16" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # ~35 s on 2 cores (the small model's interpret-mode kernels); run with `pytest -m slow`
+def test_check_decode_kernels_finds_the_kernels_equal_to_their_references(tmp_path):
+  # The GPU check's CPU run (interpret mode, small shapes): each kernel equals its reference bit for bit here,
+  # and the small model's decode step traced every kernel (2 norms, 1 SwiGLU, 1 q|k|v per layer and step).
+  out = tmp_path / "check.json"
+  subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "check_decode_kernels.py"), "--seed", "3",
+                  "--out", str(out)], check=True, cwd=ROOT, env=dict(os.environ, QERL_COMMIT="test"),
+                 capture_output=True, text=True)
+  rec = json.loads(out.read_text())
+  assert {name: r["max_ulps"] for name, r in rec["kernels"].items()} == {
+    f"{kernel}_m{m}{part}": 0.0 for m in (1, 2)
+    for kernel, parts in (("residual_norm", ("_x", "_h")), ("swiglu", ("",)), ("qkv_rows", ("",))) for part in parts}
+  assert rec["model"]["kernels_traced"] == {"residual_norm": 16, "swiglu": 8, "qkv_rows": 8}
+  assert rec["model"]["max_abs_over_max_logit"] < 0.02 and rec["commit"] == "test"
