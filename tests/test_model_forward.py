@@ -362,8 +362,11 @@ def test_fused_lora_epilogue_gives_the_same_logits_and_adapter_gradients(monkeyp
 
 def test_gemv_lora_xa_gives_the_same_decode_logits_and_adapter_gradients(monkeypatch):
   # config.gemv_lora_xa: at one decode row each NVFP4 projection's gemv also computes its adapter's x @ A
-  # (kernels.nvfp4_matmul_xa, interpret mode here). Logits and the gradients of A and B equal the usual path's
-  # (XLA on this CPU), and the launches are the shared ones (no concatenated A's).
+  # (kernels.nvfp4_matmul_xa, interpret mode here). Logits equal the usual path's (XLA on this CPU), the
+  # gradients of A and B the float32 path's as closely as bf16 allows, and the launches are the shared ones
+  # (no concatenated A's). The gradients are held to float32 by norm, not to the usual bf16 path entry by entry:
+  # where a gradient's entries cancel, the two bf16 paths' entries differed several-fold (seed 17316175). Over
+  # 8 seeds each path's worst layer was 0.6-2.9% from float32 by norm; a wrong scale, layer or adapter is ~100%.
   import kernels
   seed, config, model, _, params = _nvfp4_bf16_case()
   token = jnp.asarray([[np.random.default_rng(seed).integers(0, 128)]])
@@ -376,6 +379,7 @@ def test_gemv_lora_xa_gives_the_same_decode_logits_and_adapter_gradients(monkeyp
     return jnp.mean(forward({**params, "layers": layers}, cfg, model.lora_scale, token)[..., :8] ** 2)
 
   adapters = {n: {k: params["layers"][n][k] for k in ("lora_a", "lora_b")} for n in names}
+  exact_grads = jax.jit(jax.grad(lambda a: loss(a, config.replace(dtype="float32"))))(adapters)
   results = {}
   for on in (False, True):
     cfg = config.replace(gemv_lora_xa=on)
@@ -383,13 +387,15 @@ def test_gemv_lora_xa_gives_the_same_decode_logits_and_adapter_gradients(monkeyp
     grads = jax.jit(jax.grad(lambda a: loss(a, cfg)))(adapters)
     jaxpr = str(jax.make_jaxpr(lambda p: forward(p, cfg, model.lora_scale, token))(params))
     results[on] = logits, grads, jaxpr
-  (plain, plain_grads, plain_jaxpr), (shared, shared_grads, shared_jaxpr) = results[False], results[True]
+  (plain, _, plain_jaxpr), (shared, shared_grads, shared_jaxpr) = results[False], results[True]
   np.testing.assert_allclose(shared, plain, atol=0.02 * np.abs(plain).max(), err_msg=f"{seed=}")
   for n in names:
     for k in ("lora_a", "lora_b"):
-      want, got = np.asarray(plain_grads[n][k], np.float32), np.asarray(shared_grads[n][k], np.float32)
-      assert np.abs(want).max() > 0, (n, k)
-      np.testing.assert_allclose(got, want, atol=0.03 * np.abs(want).max(), err_msg=f"{n} {k} {seed=}")
+      want, got = np.asarray(exact_grads[n][k], np.float32), np.asarray(shared_grads[n][k], np.float32)
+      for layer, (want_l, got_l) in enumerate(zip(want, got)):
+        assert np.abs(want_l).max() > 0, (n, k, layer)
+        error = np.linalg.norm(got_l - want_l) / np.linalg.norm(want_l)
+        assert error < 0.06, f"{n} {k} layer {layer}: {error:.4f} from float32 by norm, {seed=}"
   # Each of the seven projections of the (scanned) layer is one shared launch; the usual path has none.
   assert len(re.findall(r"name=_shared_launch\b", shared_jaxpr)) == 7 and "nvfp4_gemv_xa" not in plain_jaxpr
 
