@@ -1,21 +1,17 @@
 """kernels/decode_qkv.py in interpret mode: against its jnp reference, an independent NumPy one, and the decode
 attention kernel fed its rows."""
 
-import contextlib
-import functools
-import io
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.experimental import pallas as pl
 
 from kernels.decode_attention import decode_attention_rows, decode_attention_update
 from kernels.decode_qkv import padded_heads, qkv_rows, qkv_rows_reference
 from qerl_jax.model.testing import fresh_seed
 from tests.test_decode_residual_norm import _ulps_apart
+from tests.triton_lowering import lower_for_cuda
 
 # (M, H, Hkv, Dh, S, parts dtype, rank, R, P, bias, cache dtype): Qwen2.5-7B's heads at one row (the padded rank
 # 3 x 16 -> 64, split 4, 7 x @ A programs), two rows with every term and a small head, a finished bf16 output
@@ -150,13 +146,6 @@ def test_qkv_rows_lower_to_one_triton_kernel():
   rng = np.random.default_rng(fresh_seed())
   args = _inputs(rng, *CASES[0])
   static = {k: args.pop(k) for k in ("heads", "kv_heads", "head_dim", "dtype", "cache_dtype", "rank", "lora_scale")}
-  original, printed = pl.pallas_call, io.StringIO()
-  pl.pallas_call = functools.partial(original, debug=True)  # the kernel looks pallas_call up at call time
-  try:
-    with contextlib.redirect_stdout(printed):
-      text = jax.jit(lambda a: qkv_rows(**a, **static)).trace(args).lower(lowering_platforms=("cuda",)).as_text()
-  finally:
-    pl.pallas_call = original
+  text, module = lower_for_cuda(lambda a: qkv_rows(**a, **static), args)
   assert text.count("__gpu$xla.gpu.triton") == 1 and "decode_qkv_rows" in text
-  module = printed.getvalue()
   assert "module @" in module and '"builtin.module"' not in module, module[-3000:]

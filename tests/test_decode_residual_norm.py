@@ -1,18 +1,14 @@
 """kernels/decode_residual_norm.py in interpret mode: against its jnp reference and an independent NumPy one."""
 
-import contextlib
-import functools
-import io
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.experimental import pallas as pl
 
 from kernels.decode_residual_norm import residual_norm, residual_norm_reference
 from qerl_jax.model.testing import fresh_seed
+from tests.triton_lowering import lower_for_cuda
 
 # (M, D, S, parts dtype, rank, P, bias, noise, block_d): one row at 7B's width (14 blocks of 256), two rows with
 # every term in 3 blocks, a finished bf16 output (S = 1) in one block, no adapter and a ragged last block.
@@ -113,15 +109,7 @@ def test_residual_norm_lowers_to_two_triton_kernels():
   # MLIR prints a module that does not verify in its generic form ("builtin.module"(...)).
   rng = np.random.default_rng(fresh_seed())
   args = _inputs(rng, 1, 3584, 5, jnp.float32, 16, 7, True, True)
-  original, printed = pl.pallas_call, io.StringIO()
-  pl.pallas_call = functools.partial(original, debug=True)  # the kernel looks pallas_call up at call time
-  try:
-    with contextlib.redirect_stdout(printed):
-      scale = args.pop("lora_scale")
-      text = jax.jit(lambda a: residual_norm(**a, eps=1e-6, lora_scale=scale)).trace(args).lower(
-          lowering_platforms=("cuda",)).as_text()
-  finally:
-    pl.pallas_call = original
+  scale = args.pop("lora_scale")
+  text, module = lower_for_cuda(lambda a: residual_norm(**a, eps=1e-6, lora_scale=scale), args)
   assert text.count("__gpu$xla.gpu.triton") == 2 and "decode_residual_add" in text and "decode_residual_norm" in text
-  module = printed.getvalue()
   assert module.count("module @") == 2 and '"builtin.module"' not in module, module[-3000:]

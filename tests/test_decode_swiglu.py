@@ -1,19 +1,15 @@
 """kernels/decode_swiglu.py in interpret mode: against its jnp reference and an independent NumPy one."""
 
-import contextlib
-import functools
-import io
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.experimental import pallas as pl
 
 from kernels.decode_swiglu import swiglu, swiglu_reference
 from qerl_jax.model.testing import fresh_seed
 from tests.test_decode_residual_norm import _ulps_apart
+from tests.triton_lowering import lower_for_cuda
 
 # (M, N, S, parts dtype, rank, R, P, bias, block_n): a 7B-like N that no block divides (18944 = 37 x 512) with
 # padded x @ A columns (R > 2r), two rows with biases and a small block, a finished bf16 output, no adapter.
@@ -107,13 +103,6 @@ def test_swiglu_lowers_to_one_triton_kernel():
   rng = np.random.default_rng(fresh_seed())
   args = _inputs(rng, 1, 18944, 5, jnp.float32, 16, 32, 37, True)
   static = {k: args.pop(k) for k in ("n", "dtype", "lora_scale")}
-  original, printed = pl.pallas_call, io.StringIO()
-  pl.pallas_call = functools.partial(original, debug=True)  # the kernel looks pallas_call up at call time
-  try:
-    with contextlib.redirect_stdout(printed):
-      text = jax.jit(lambda a: swiglu(**a, **static)).trace(args).lower(lowering_platforms=("cuda",)).as_text()
-  finally:
-    pl.pallas_call = original
+  text, module = lower_for_cuda(lambda a: swiglu(**a, **static), args)
   assert text.count("__gpu$xla.gpu.triton") == 1 and "decode_swiglu" in text
-  module = printed.getvalue()
   assert "module @" in module and '"builtin.module"' not in module, module[-3000:]

@@ -5,12 +5,9 @@ random global scale; the seed comes from the test name. Interpret mode starts ev
 ``poison`` path aliases a NaN-filled buffer in, so a tile the kernel does not write fails the comparison.
 """
 
-import contextlib
 import dataclasses
 import json
 import re
-import functools
-import io
 import zlib
 
 import jax
@@ -25,6 +22,7 @@ from kernels.config import Nvfp4MatmulConfig
 from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
 from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
 from qerl_jax.quant.types import NVFP4Tensor
+from tests.triton_lowering import lower_for_cuda
 
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float64)
 
@@ -849,19 +847,10 @@ def test_kernels_lower_to_triton_for_cuda(case):
   else:
     f = lambda x, *w: nvfp4_matmul_fwd_pallas(x, *w, config=cfg)
     args = (jnp.ones((m, k), jnp.bfloat16), *weights)
-  from jax.experimental import pallas as pl
-  original, printed = pl.pallas_call, io.StringIO()
-  pl.pallas_call = functools.partial(original, debug=True)  # the kernels look pallas_call up at call time
-  try:
-    with contextlib.redirect_stdout(printed):
-      text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  finally:
-    pl.pallas_call = original
+  text, module = lower_for_cuda(f, *args)
   assert text.count("__gpu$xla.gpu.triton") == 1, text[:2000]
-  # The Triton module must verify: MLIR prints one that does not in its generic form ("builtin.module"(...)),
-  # which is how an inline-asm result typed ui32 (Triton's integers are signless) showed up; lowering alone
-  # passes it on, and only the GPU compile would reject it.
-  module = printed.getvalue()
+  # The Triton module must verify (generic form: see triton_lowering); an inline-asm result typed ui32 (Triton's
+  # integers are signless) once failed so.
   assert "module @" in module and '"builtin.module"' not in module, module[-3000:]
   if cfg.dequant == "asm_fma":  # the Triton module carries the PTX that forms the products
     asm_ops = re.findall(r'tt\.elementwise_inline_asm "([^"]*)"', module)

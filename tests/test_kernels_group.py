@@ -5,11 +5,8 @@ multiples of the column block (so a member's last block is masked at its own wid
 at one layer. Interpret mode starts every output as NaN, so a column no program writes fails.
 """
 
-import contextlib
 import dataclasses
-import functools
 import importlib
-import io
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +16,7 @@ import pytest
 import kernels
 from kernels.config import Nvfp4MatmulConfig
 from tests.test_kernels import _assert_close, _dequant_np, _random_q, _rng, _stack
+from tests.triton_lowering import lower_for_cuda
 
 LAYERS, LAYER = 3, 1
 
@@ -131,20 +129,12 @@ def test_bad_groups_raise_clear_errors(request):
 def test_group_kernels_lower_to_triton_for_cuda(case):
   """The group's branches (one per member, on the program's column block) through the Pallas -> Triton step
   that interpret mode skips, with the PTX decoder the GPU runs."""
-  from jax.experimental import pallas as pl
   m, k, widths, cfg = CASES[case]
   cfg = dataclasses.replace(cfg, dequant="asm")
   group, _ = _group(np.random.default_rng(0), k, widths)
   operands = importlib.import_module("kernels.nvfp4_matmul").kernel_operands
   f = lambda x, g: kernels.nvfp4_matmul_fwd_pallas(x, *operands(g), config=cfg, layer=jnp.int32(LAYER))
-  original, printed = pl.pallas_call, io.StringIO()
-  pl.pallas_call = functools.partial(original, debug=True)
-  try:
-    with contextlib.redirect_stdout(printed):
-      text = jax.jit(f).trace(jnp.ones((m, k), jnp.bfloat16), group).lower(lowering_platforms=("cuda",)).as_text()
-  finally:
-    pl.pallas_call = original
+  text, module = lower_for_cuda(f, jnp.ones((m, k), jnp.bfloat16), group)
   assert text.count("__gpu$xla.gpu.triton") == 1
-  module = printed.getvalue()
   assert "module @" in module and '"builtin.module"' not in module, module[-3000:]
   assert module.count("scf.if") >= len(widths)  # a branch per member
