@@ -163,6 +163,21 @@ def use_tuning(path: str) -> None:
     os.environ.pop("QERL_KERNEL_TUNING", None)
 
 
+def checked_tunings(paths: list[str] | None) -> list[str]:
+  """--tunings as given, or else the QERL_KERNEL_TUNING in force ("" for none: the shipped file). Each file is
+  read and checked here (FileNotFoundError or ValueError naming it), so a bad one fails before a model is built."""
+  from kernels import config as config_lib  # pylint: disable=import-outside-toplevel
+  paths = [os.environ.get("QERL_KERNEL_TUNING", "")] if paths is None else paths
+  before = os.environ.get("QERL_KERNEL_TUNING", "")
+  try:
+    for path in paths:
+      use_tuning(path)
+      config_lib.load_tuning("NVIDIA H200")
+  finally:
+    use_tuning(before)
+  return paths
+
+
 def run(args):
   import jax
   import jax.numpy as jnp
@@ -256,9 +271,10 @@ def main():
                  help="NVFP4: comma-separated groups (qkv, gate_up) as one launch each "
                       "(ModelConfig.rollout_merged_launches; auto = both, the default; none = one per projection); "
                       "several values run one after another on the same weights, e.g. 'none auto'")
-  p.add_argument("--tunings", nargs="+", default=[""], metavar="PATH",
+  p.add_argument("--tunings", nargs="+", default=None, metavar="PATH",
                  help="kernel tuning files to compare in one process (each through QERL_KERNEL_TUNING; \"\" is the "
-                      "shipped one): each NVFP4 variant is traced and timed once per file")
+                      "shipped one): each NVFP4 variant is traced and timed once per file (default: "
+                      "QERL_KERNEL_TUNING if set, else the shipped file)")
   p.add_argument("--cache-len", type=int, default=1280)
   p.add_argument("--start", type=int, default=768, help="first cache slot written (mid-rollout)")
   p.add_argument("--steps", type=int, default=16)
@@ -270,6 +286,10 @@ def main():
                  help="write each run's optimized HLO here, gzipped ({quant} and {batch} are filled in)")
   p.add_argument("--out", required=True, help="JSON file for the records")
   args = p.parse_args()
+  try:
+    args.tunings = checked_tunings(args.tunings)
+  except (OSError, ValueError) as err:
+    p.error(f"--tunings: {err}")
   records = run(args)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:

@@ -277,6 +277,33 @@ def test_profile_decode_tunings_reach_the_kernel_configs(tmp_path, monkeypatch):
   assert config_lib.get_config("fwd", 1, 3584, 18944, "NVIDIA H200") == shipped
 
 
+def test_profile_decode_tunings_default_to_the_variable_and_bad_files_fail_first(tmp_path, monkeypatch, capsys):
+  # Without --tunings a QERL_KERNEL_TUNING already set is the one timed (it used to be dropped for the shipped
+  # file); a missing or malformed file stops the command at its arguments, naming the file, and leaves the
+  # variable as it was.
+  from experiments import profile_decode
+  from kernels import config as config_lib
+  data = json.loads(open(config_lib._device_file("NVIDIA H200")).read())  # pylint: disable=protected-access
+  good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+  good.write_text(json.dumps(data))
+  data["entries"][0]["config"]["block_q"] = 64
+  bad.write_text(json.dumps(data))
+  monkeypatch.setenv("QERL_KERNEL_TUNING", str(good))
+  assert profile_decode.checked_tunings(None) == [str(good)]
+  assert profile_decode.checked_tunings(["", str(good)]) == ["", str(good)]
+  monkeypatch.delenv("QERL_KERNEL_TUNING")
+  assert profile_decode.checked_tunings(None) == [""]
+  for path, says in ((tmp_path / "missing.json", "does not exist"), (bad, "unknown config fields ['block_q']")):
+    monkeypatch.setenv("QERL_KERNEL_TUNING", str(good))
+    monkeypatch.setattr(sys, "argv", ["profile_decode.py", "--model", "smoke", "--tunings", "", str(path),
+                                      "--out", str(tmp_path / "never.json")])
+    with pytest.raises(SystemExit) as exit_info:
+      profile_decode.main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and str(path) in err and says in err, err
+    assert os.environ["QERL_KERNEL_TUNING"] == str(good) and not (tmp_path / "never.json").exists()
+
+
 @pytest.mark.slow
 def test_profile_decode_runs_merged_launch_variants_on_the_same_weights(tmp_path):
   # --merged-launches none auto: both in one process (the group launch A/B); bf16 has nothing to merge.
