@@ -172,7 +172,8 @@ def _time_rollout(args, config, graphdef, state, weight_bytes, bw, batch):
               decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora,
               gemv_lora_xa=args.gemv_lora_xa, rollout_base_dtype=args.rollout_base_dtype,
               rollout_merged_launches=",".join(config.merged_launch_groups),
-              xla_flags=os.environ.get("XLA_FLAGS", ""))
+              xla_flags=os.environ.get("XLA_FLAGS", ""),
+              kernel_tuning=os.environ.get("QERL_KERNEL_TUNING", "") or "shipped")  # a variant file, if one is set
 
 
 def merged_groups(spec: str, quant: str) -> tuple[str, ...] | None:

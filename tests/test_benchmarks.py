@@ -145,6 +145,7 @@ def test_bench_rollout_smoke_writes_one_line_per_quant(tmp_path):
     for field in ("model", "quant", "batch", "new_tokens", "tokens_per_s", "peak_gb", "commit", "device"):
       assert field in r, field
     assert r["commit"] == "test" and r["tokens_per_s"] > 0 and r["batch"] == 2
+    assert r["kernel_tuning"] == os.environ.get("QERL_KERNEL_TUNING", "shipped")
 
 
 def test_bench_rollout_transformers_peer_runs(tmp_path):
