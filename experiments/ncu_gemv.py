@@ -1,5 +1,8 @@
 """One launch of the shipped gemv (7B gate, one row) and of its load-only probe, for Nsight Compute.
 
+With ``--rows 8`` the dispatch launches the tile kernel instead (``nvfp4_matmul_fwd``: add it to the regex);
+``QERL_KERNEL_TUNING`` picks the config, as in the model.
+
     ncu --clock-control none --kernel-name regex:"gemv|probe" --launch-count 4 \
         --section SpeedOfLight --section SchedulerStats --section InstructionStats --section WarpStateStats \
         python3 experiments/ncu_gemv.py > $OUT/ncu.txt
@@ -28,11 +31,12 @@ from qerl_jax.quant import quantize  # noqa: E402
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--shape", default="qwen2.5-7b.gate", choices=SHAPES)
+  parser.add_argument("--rows", type=int, default=1, help="rows of x (the dispatch picks gemv or tile kernel)")
   parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU smoke run)")
   args = parser.parse_args(argv)
   k, n = SHAPES[args.shape]
   q = quantize(jax.random.normal(jax.random.key(0), (k, n), jnp.bfloat16), "nvfp4")
-  x = jax.random.normal(jax.random.key(1), (1, k), jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(1), (args.rows, k), jnp.bfloat16)
   gemv = jax.jit(lambda x, q: nvfp4_matmul(x, q, interpret=args.interpret))
   scale_u8 = jax.lax.bitcast_convert_type(q.scale_NxKb, jnp.uint8)
   load_only = jax.jit(lambda p, s: probe("tile16x256", p, s, jnp.zeros((1,), jnp.int32), interpret=args.interpret,
