@@ -56,7 +56,7 @@ def nvfp4_matmul_bwd_kernel(dy_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_
     return dy_MxN, p_NxKh, s_NxKb
 
   contract = (((0,), (1,)), ((), ()))
-  multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
+  multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant, dy_ref.dtype)
   mask = row_mask[:, None]
   if dequant in HALVES_DECODERS:  # two accumulators, dx's even and odd columns: no interleave
     decode = nvfp4_tile.decode_halves(dequant)

@@ -110,7 +110,7 @@ def _tile(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_
     return acc_NxM + jax.lax.dot_general(w_NxK, x_MxK, contract, preferred_element_type=jnp.float32)
 
   acc_NxM = jax.lax.fori_loop(0, trips, body, jnp.zeros((block_n, block_m), jnp.float32))
-  y_MxN = acc_NxM.T * nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
+  y_MxN = acc_NxM.T * nvfp4_tile.output_multiplier(gs_ref[layer], dequant, x_ref.dtype)
   rows, cols = pl.ds(pid_m * block_m, block_m), pl.ds(col_offset + pid_n * block_n, block_n)
   mask = row_mask[:, None] & col_mask[None, :]
   if split == 1:

@@ -22,6 +22,9 @@ from kernels.config import GEMV_DECODERS, split_trips
 
 # The decoded e4m3 value is E2M1 / CODE_DIVISOR.
 CODE_DIVISOR = 64.0
+# The tile kernels' bf16 asm planes are E2M1 * scale * 2**-FOLD_BF16 (``asm_scale``): a decoded weight is then
+# at least 2**-18 and the accumulator's products stay normal float32.
+FOLD_BF16 = 8
 
 
 def nibbles_to_e4m3_bits(packed_u8: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -68,20 +71,24 @@ def dequant_halves(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype) -> tupl
   return plane(lo), plane(hi)
 
 
-def output_multiplier(global_scale: jax.Array, method: str = "jnp") -> jax.Array:
-  """The float32 factor that turns an accumulator over decoded tiles into the true product."""
+def output_multiplier(global_scale: jax.Array, method: str = "jnp", dtype=None) -> jax.Array:
+  """The float32 factor that turns an accumulator over decoded tiles into the true product (``dtype``: the
+  decoded tiles' type, for the tile kernels' "asm" decoder, whose bf16 planes are scaled by 2**-FOLD_BF16)."""
   divisor = 1.0 if method == "asm" else CODE_DIVISOR
+  if method == "asm" and dtype is not None and jnp.dtype(dtype) == jnp.bfloat16:
+    divisor = 2.0 ** FOLD_BF16
   return jnp.float32(divisor) / global_scale.astype(jnp.float32)
 
 
 # PTX for 4 packed bytes ($2) and their 4 block scales ($3, $4: pairs of 16-bit floats) -> the 4 low (or
-# high) nibbles as two pairs of 16-bit floats ($0, $1) equal to E2M1[code] * scale exactly. prmt spreads
-# bytes 0,1 (then 2,3) into the two 16-bit halves; shifts and masks put the sign at bit 15 and the two
-# exponent bits + mantissa bit at the bottom of the float's exponent / top of its mantissa, which reads as
-# E2M1 * 2**-BIAS including the subnormal code 0.5; one fma by 2**BIAS restores it (exact: 16-bit float
-# arithmetic keeps subnormals), one by the scale applies the block scale (exact, see above).
+# high) nibbles as two pairs of 16-bit floats ($0, $1) equal to E2M1[code] * scale exactly (up to a power of
+# two, ``output_multiplier``). prmt spreads bytes 0,1 (then 2,3) into the two 16-bit halves; then the sign goes
+# to bit 15 and the two exponent bits + mantissa bit to the bottom of the float's exponent / top of its
+# mantissa, which reads as E2M1 * 2**-BIAS including the subnormal code 0.5 (16-bit float arithmetic keeps
+# subnormals); the multiplies by 2**BIAS and by the block scale are exact.
 # (Pallas lowers only single-result inline asm, hence one call per nibble.)
-def _ptx(pow2: str, sign_shift: int, em_shift: int, em_mask: str, ty: str) -> str:
+def _ptx_f16(pow2: str, sign_shift: int, em_shift: int, em_mask: str) -> str:
+  """float16: shifts and masks, then an fma by 2**14 and one by the scale."""
   return f"""{{
 .reg .b32 t0, t1, a, b, c, z;
 mov.b32 c, {pow2};
@@ -92,37 +99,67 @@ shl.b32 a, t0, {sign_shift}; and.b32 a, a, 0x80008000;
 shl.b32 b, t0, {em_shift}; and.b32 b, b, {em_mask}; or.b32 $0, a, b;
 shl.b32 a, t1, {sign_shift}; and.b32 a, a, 0x80008000;
 shl.b32 b, t1, {em_shift}; and.b32 b, b, {em_mask}; or.b32 $1, a, b;
-fma.rn.{ty} $0, $0, c, z; fma.rn.{ty} $1, $1, c, z;
-fma.rn.{ty} $0, $0, $3, z; fma.rn.{ty} $1, $1, $4, z;
+fma.rn.f16x2 $0, $0, c, z; fma.rn.f16x2 $1, $1, c, z;
+fma.rn.f16x2 $0, $0, $3, z; fma.rn.f16x2 $1, $1, $4, z;
 }}"""
 
 
-_LAYOUT = {  # (dtype, half) -> where the nibble's bits go, and the 2**BIAS that restores E2M1 from them
-  # bf16: exponent/mantissa bits at 8..6, value E2M1 * 2**-126; 0x7E80 is 2**126.
-  ("bfloat16", "lo"): dict(pow2="0x7E807E80", sign_shift=12, em_shift=6, em_mask="0x01C001C0", ty="bf16x2"),
-  ("bfloat16", "hi"): dict(pow2="0x7E807E80", sign_shift=8, em_shift=2, em_mask="0x01C001C0", ty="bf16x2"),
-  # fp16: exponent/mantissa bits at 11..9, value E2M1 * 2**-14; 0x7400 is 2**14.
-  ("float16", "lo"): dict(pow2="0x74007400", sign_shift=12, em_shift=9, em_mask="0x0E000E00", ty="f16x2"),
-  ("float16", "hi"): dict(pow2="0x74007400", sign_shift=8, em_shift=5, em_mask="0x0E000E00", ty="f16x2"),
+def _ptx_bf16(nibble_mask: str, multiplier: int) -> str:
+  """bfloat16: the nibble masked, then one integer multiply by 2**em_shift + 2**sign_shift places its sign and
+  its other three bits at once (the two shifted copies do not overlap, so the sum is their OR), one mask keeps
+  those four bits; the scale operand carries 2**(126 - FOLD_BF16) (``asm_scale``), so one fma finishes.
+  ~4 instructions per pair of weights fewer than shift / mask / or and a separate fma by 2**126 (kernel_sass,
+  7B gate_up at 8 rows)."""
+  return f"""{{
+.reg .b32 t0, t1, z;
+mov.b32 z, 0x80008000;
+prmt.b32 t0, $2, 0, 0x4140;
+prmt.b32 t1, $2, 0, 0x4342;
+and.b32 t0, t0, {nibble_mask}; and.b32 t1, t1, {nibble_mask};
+mul.lo.u32 t0, t0, {multiplier}; mul.lo.u32 t1, t1, {multiplier};
+and.b32 t0, t0, 0x81C081C0; and.b32 t1, t1, 0x81C081C0;
+fma.rn.bf16x2 $0, t0, $3, z; fma.rn.bf16x2 $1, t1, $4, z;
+}}"""
+
+
+# bf16: exponent/mantissa bits at 8..6, value E2M1 * 2**-126. The low nibble (bits 0..3 of each half after
+# prmt) moves up 6 (bits 0..2) and 12 (its sign); the high one (bits 4..7) up 2 and 8.
+# fp16: exponent/mantissa bits at 11..9, value E2M1 * 2**-14 (0x7400 is 2**14); its shifted copies would
+# overlap, so it keeps the shift / mask / or form.
+_ASM_BY_DTYPE = {
+    ("bfloat16", "lo"): _ptx_bf16("0x000F000F", (1 << 6) + (1 << 12)),
+    ("bfloat16", "hi"): _ptx_bf16("0x00F000F0", (1 << 2) + (1 << 8)),
+    ("float16", "lo"): _ptx_f16("0x74007400", sign_shift=12, em_shift=9, em_mask="0x0E000E00"),
+    ("float16", "hi"): _ptx_f16("0x74007400", sign_shift=8, em_shift=5, em_mask="0x0E000E00"),
 }
-_ASM_BY_DTYPE = {key: _ptx(**v) for key, v in _LAYOUT.items()}
+
+
+def asm_scale(scale_RxKb: jax.Array, dtype) -> jax.Array:
+  """The block scales as ``dequant_halves_asm`` multiplies by them: in ``dtype``; for bf16 times
+  2**(126 - FOLD_BF16), the decoded bits' 2**126 less what would overflow (448 * 2**126 > bf16's max), which
+  ``output_multiplier`` puts back. Exact: a power of two times an e4m3 value, inside bf16's normal range."""
+  dtype = jnp.dtype(dtype)
+  scale = scale_RxKb.astype(dtype)
+  return scale * jnp.asarray(2.0 ** (126 - FOLD_BF16), dtype) if dtype == jnp.bfloat16 else scale
 
 
 def dequant_halves_asm(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
   """Like ``dequant_halves`` but decoded by inline PTX (GPU only): (even, odd) planes equal to E2M1 * scale.
 
-  Note the missing 1/64: use ``output_multiplier(gs, "asm")``. Per packed 32-bit word (4 bytes, 8 weights)
-  the PTX spends ~10 bit operations and 4 paired multiply-adds, against a conversion instruction or more per
-  weight on the e4m3 route. (Folding the 2**BIAS multiply into the block scale, one multiply-add per pair
-  instead of two, made no kernel faster: 0.9-1.0x on 7B shapes at b38e8cc; the tile kernels are not bound
-  by these instructions.) The planes must not be interleaved afterwards: measured on an H200 (7f1d80d),
+  Note the missing 1/64: use ``output_multiplier(gs, "asm", dtype)``. Per packed 32-bit word (4 bytes, 8
+  weights) and plane, the bf16 PTX spends 2 byte permutes, 6 bit operations and 2 paired fmas (the fp16 one ~10
+  bit operations and 4 fmas). The bf16 form (c5493f1+) cut the 8-row tile kernel's K loop from 824 to 728
+  instructions per trip (kernel_sass, 7B gate_up, 3 stages) and changed no kernel time beyond noise in the model
+  (profile_decode, 7B NVFP4 batch 8: 4.71 against 4.70 kernel ms at 3 stages, 4.83 against 4.91 at 2), as
+  folding the 2**BIAS into the scale had not at b38e8cc: these kernels are not bound by the decode's issue.
+  The planes must not be interleaved afterwards: measured on an H200 (7f1d80d),
   joining two asm outputs and reshaping interleaves them by pairs (the 32-bit registers the asm writes), which
   is what made the first, interleaving version of this decoder wrong; each plane alone is exact.
   """
   from jax.experimental.pallas import triton as plgpu  # pylint: disable=import-outside-toplevel
 
   dtype = jnp.dtype(dtype)
-  scale = scale_RxKb.astype(dtype)  # one scale per 8 packed bytes (16 weights)
+  scale = asm_scale(scale_RxKb, dtype)  # one scale per 8 packed bytes (16 weights)
   scale_RxKh = jnp.broadcast_to(scale[..., None], (*scale.shape, 8)).reshape(packed_RxKh.shape)
   return tuple(plgpu.elementwise_inline_asm(
       _ASM_BY_DTYPE[(dtype.name, half)], args=[packed_RxKh, scale_RxKh], constraints="=r,=r,r,r,r",

@@ -457,3 +457,15 @@ def test_check_decode_kernels_finds_the_kernels_equal_to_their_references(tmp_pa
     for kernel, parts in (("residual_norm", ("_x", "_h")), ("swiglu", ("",)), ("qkv_rows", ("",))) for part in parts}
   assert rec["model"]["kernels_traced"] == {"residual_norm": 16, "swiglu": 8, "qkv_rows": 8}
   assert rec["model"]["max_abs_over_max_logit"] < 0.02 and rec["commit"] == "test"
+
+
+def test_check_tile_decoders_runs_and_compares_each_case(tmp_path, capsys):
+  # The GPU check's CPU run: interpret mode decodes both ways with jnp, so the two must be bit-equal here, and
+  # each case's error against the float32 product is a real NVFP4 error (~0.0017 relative for Gaussian weights).
+  from experiments import check_tile_decoders
+  out = tmp_path / "check.json"
+  assert check_tile_decoders.main(["--interpret", "--out", str(out)]) == 0
+  rec = json.loads(out.read_text())
+  assert sorted(rec["cases"]) == ["small bwd 256", "small fwd 64", "small fwd 8"] and rec["all_bit_equal"]
+  assert all(0.001 < c["rel_err_vs_f32"] < 0.003 for c in rec["cases"].values())
+  assert "all bit-equal" in capsys.readouterr().out

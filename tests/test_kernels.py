@@ -504,33 +504,33 @@ def test_tuning_entries_restricted_to_shapes_come_first_for_those_shapes_only(tm
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_asm_decoder_bit_logic_in_numpy(dtype):
-  """Emulates the PTX decoder for all 256 bytes times every finite e4m3 block scale (its constants are read
-  back from the asm text): prmt/shift/mask steps, then each multiply rounded to ``dtype`` as the hardware does.
-  A wrong constant, or a product that is not exact (overflow, lost bits), fails here though CI cannot run asm."""
-  import re
+def test_asm_decoder_bit_logic_in_numpy(dtype, request):
+  """Runs the tile kernels' PTX decoder (``nvfp4_tile._ASM_BY_DTYPE``) in the NumPy interpreter on words of four
+  bytes (every byte value in each position), times every finite e4m3 block scale as ``asm_scale`` hands it over,
+  each 16-bit multiply rounded to ``dtype`` as the hardware does. Times ``output_multiplier`` it must equal
+  E2M1[nibble] * scale exactly: a wrong constant, byte order, or a product that is not exact (overflow, lost
+  bits) fails here though CI cannot run asm."""
   from kernels import nvfp4_tile
 
   np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
-  rounded = lambda v: v.astype(np_dtype).astype(np.float64)
-  scales = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-  scales = scales[np.isfinite(scales)]
-  b = np.arange(256, dtype=np.uint64)
-  t = b | (b << 16)  # what prmt 0x4140 makes of bytes (b, b): byte 0 -> bits 0..7, byte 1 -> bits 16..23
-  for half, nib in (("lo", b & 15), ("hi", b >> 4)):
-    asm = nvfp4_tile._ASM_BY_DTYPE[(dtype, half)]
-    (sign_shift, em_shift, em_mask), = set(re.findall(
-        r"shl\.b32 a, t0, (\d+); and\.b32 a, a, 0x80008000;\s*shl\.b32 b, t0, (\d+); and\.b32 b, b, (0x\w+)",
-        asm))
-    r = (((t << int(sign_shift)) & 0x80008000) | ((t << int(em_shift)) & int(em_mask, 16))) & 0xFFFFFFFF
-    pow2 = int(re.search(r"mov\.b32 c, (0x\w+)", asm).group(1), 16) & 0xFFFF
-    mult = np.array([pow2], np.uint16).view(np_dtype).astype(np.float64)[0]
-    divisor = np.float64(nvfp4_tile.output_multiplier(jnp.float32(1), "asm"))
-    for part in (r & 0xFFFF, r >> 16):
-      v = rounded(part.astype(np.uint16).view(np_dtype).astype(np.float64) * mult)
-      got_CxS = rounded(v[:, None] * scales[None, :])
-      want_CxS = E2M1[nib.astype(np.int64)][:, None] * scales[None, :]
-      np.testing.assert_array_equal(got_CxS * divisor, want_CxS)
+  rng = _rng(request)
+  scales = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+  scales = scales[np.isfinite(scales.astype(np.float64))]
+  scales = scales[rng.permutation(len(scales))]
+  scale_bits = np.asarray(nvfp4_tile.asm_scale(jnp.asarray(scales), jnp.dtype(dtype))).view(np.uint16)
+  pair = scale_bits.astype(np.uint64) * np.uint64(0x10001)  # (s, s): the two bytes of a pair share a block
+  bytes_Wx4 = np.stack([rng.permutation(256) for _ in range(4)], axis=1).astype(np.uint8)
+  words = bytes_Wx4.view("<u4")[:, 0].astype(np.uint64)
+  w_WxS, p_WxS = (np.broadcast_to(a, (len(words), len(pair))).ravel() for a in (words[:, None], pair[None, :]))
+  multiplier = np.float64(nvfp4_tile.output_multiplier(jnp.float32(1), "asm", jnp.dtype(dtype)))
+  want_S = scales.astype(np.float64)
+  for half, nib_Wx4 in (("lo", bytes_Wx4 & 15), ("hi", bytes_Wx4 >> 4)):
+    regs = _run_ptx(nvfp4_tile._ASM_BY_DTYPE[(dtype, half)], {"$2": w_WxS, "$3": p_WxS, "$4": p_WxS},
+                    f16_dtype=np_dtype)
+    got = np.stack([(regs[r] >> np.uint64(shift)) & np.uint64(0xFFFF) for r in ("$0", "$1") for shift in (0, 16)],
+                   axis=-1).astype(np.uint16).view(np_dtype).astype(np.float64).reshape(len(words), len(pair), 4)
+    want = E2M1[nib_Wx4.astype(np.int64)][:, None, :] * want_S[None, :, None]
+    np.testing.assert_array_equal(got * multiplier, want, err_msg=half)
 
 
 def test_asm_e4m3_decoder_bit_logic_in_numpy(request):
@@ -559,7 +559,7 @@ def test_asm_e4m3_decoder_bit_logic_in_numpy(request):
   assert nvfp4_tile.output_multiplier(jnp.float32(2.0), "asm_e4m3") == 32.0  # E2M1 / 64: the jnp route's
 
 
-def _run_ptx(ptx: str, operands: dict) -> dict:
+def _run_ptx(ptx: str, operands: dict, f16_dtype=np.float16) -> dict:
   """A NumPy interpreter for the PTX subset of the gemv's inline asm (32-bit words as uint64 masked to 32 bits,
   16-bit halves as uint16 bits, float32 as np.float32): runs ``ptx`` on ``operands`` ({"$4": ..., ...}, each an
   array of one value per asm instance) and returns every register. What it cannot read raises."""
@@ -579,10 +579,29 @@ def _run_ptx(ptx: str, operands: dict) -> dict:
       regs[halves.group(1)], regs[halves.group(2)] = word & np.uint64(0xFFFF), word >> np.uint64(16)
       continue
     dst, *src = [a.strip() for a in args.split(",")]
-    if op in ("shl.b32", "shr.b32", "and.b32", "or.b32"):
+    if op in ("shl.b32", "shr.b32", "and.b32", "or.b32", "mul.lo.u32"):
       a, b = val(src[0]), val(src[1])
-      out = {"shl.b32": a << b, "shr.b32": a >> b, "and.b32": a & b, "or.b32": a | b}[op]
+      out = {"shl.b32": a << b, "shr.b32": a >> b, "and.b32": a & b, "or.b32": a | b, "mul.lo.u32": a * b}[op]
       regs[dst] = out & mask32
+    elif op == "prmt.b32":  # result byte i = byte (selector nibble i) of {src1, src0}; no sign-replicate modes
+      a, b, sel = val(src[0]), val(src[1]), int(src[2], 0)
+      both = a | (b << np.uint64(32))
+      out = np.zeros_like(a)
+      for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        assert nib < 8, f"prmt mode {nib:#x} not emulated"
+        out |= ((both >> np.uint64(8 * nib)) & np.uint64(0xFF)) << np.uint64(8 * i)
+      regs[dst] = out
+    elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):  # per 16-bit half: the exact a * b + c rounded once
+      ty = ml_dtypes.bfloat16 if op == "fma.rn.bf16x2" else np.float16
+      assert ty == f16_dtype or op == "fma.rn.f16x2", f"{op} in a {f16_dtype} decoder"
+      a, b, c = (val(t) for t in src)
+      out = np.zeros_like(a)
+      for shift in (np.uint64(0), np.uint64(16)):
+        fa, fb, fc = (((v >> shift) & np.uint64(0xFFFF)).astype(np.uint16).view(ty).astype(np.float64)
+                      for v in (a, b, c))
+        out |= (fa * fb + fc).astype(ty).view(np.uint16).astype(np.uint64) << shift
+      regs[dst] = out
     elif op == "mov.b32":
       regs[dst] = val(src[0])
     elif op == "cvt.rn.f16x2.e4m3x2":  # two e4m3 bytes -> two float16 (the low byte -> the low half), exact
