@@ -71,8 +71,9 @@ def main(argv=None) -> int:
           f"rel_err_vs_f32={v['rel_err_vs_f32']:.3g}")
   ok = all(v["bit_equal"] for v in cases.values())
   with open(args.out, "w") as f:
-    json.dump(dict(commit=commit(), device=jax.devices()[0].device_kind, jax=jax.__version__, all_bit_equal=ok,
-                   cases=cases), f, indent=1)
+    json.dump(dict(commit=commit(), device=jax.devices()[0].device_kind, jax=jax.__version__,
+                   kernel_tuning=os.environ.get("QERL_KERNEL_TUNING") or "shipped", all_bit_equal=ok, cases=cases),
+              f, indent=1)
   print("all bit-equal" if ok else "MISMATCH")
   return 0 if ok else 1
 

@@ -467,5 +467,6 @@ def test_check_tile_decoders_runs_and_compares_each_case(tmp_path, capsys):
   assert check_tile_decoders.main(["--interpret", "--out", str(out)]) == 0
   rec = json.loads(out.read_text())
   assert sorted(rec["cases"]) == ["small bwd 256", "small fwd 64", "small fwd 8"] and rec["all_bit_equal"]
+  assert rec["kernel_tuning"] == (os.environ.get("QERL_KERNEL_TUNING") or "shipped")
   assert all(0.001 < c["rel_err_vs_f32"] < 0.003 for c in rec["cases"].values())
   assert "all bit-equal" in capsys.readouterr().out
