@@ -253,7 +253,7 @@ def run(args):
   return records
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default="qwen2.5-7b", choices=sorted(QWEN25))
   p.add_argument("--quants", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4"])
@@ -263,10 +263,12 @@ def main():
   p.add_argument("--lora-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                  help="the adapters' dtype (bench_rollout's bf16; the trainer keeps float32 adapters)")
   p.add_argument("--lora-epilogue", nargs="+", choices=["xla", "fused", "gemv-xa", "fused+gemv-xa"],
-                 default=["gemv-xa"],
+                 default=["fused+gemv-xa"],
                  help="NVFP4: bias and LoRA added by XLA after the matmul, fused into the kernels' epilogue, "
                       "(gemv-xa) x @ A computed in the gemv's launch at decode rows (ModelConfig.gemv_lora_xa), or "
-                      "both (the gemv's x @ A at 1-2 rows, the fused epilogue elsewhere)")
+                      "both (the gemv's x @ A at 1-2 rows, the fused epilogue elsewhere: the model's and "
+                      "bench_rollout's default, hence this one's; until 8f7f91c it was gemv-xa, so profiles at 3+ "
+                      "rows ran XLA's LoRA dots that rollouts do not)")
   p.add_argument("--merged-launches", nargs="+", default=["auto"], metavar="GROUPS",
                  help="NVFP4: comma-separated groups (qkv, gate_up) as one launch each "
                       "(ModelConfig.rollout_merged_launches; auto = both, the default; none = one per projection); "
@@ -285,6 +287,11 @@ def main():
   p.add_argument("--hlo-out", default="", metavar="PATH",
                  help="write each run's optimized HLO here, gzipped ({quant} and {batch} are filled in)")
   p.add_argument("--out", required=True, help="JSON file for the records")
+  return p
+
+
+def main():
+  p = build_parser()
   args = p.parse_args()
   try:
     args.tunings = checked_tunings(args.tunings)

@@ -470,3 +470,15 @@ def test_check_tile_decoders_runs_and_compares_each_case(tmp_path, capsys):
   assert rec["kernel_tuning"] == (os.environ.get("QERL_KERNEL_TUNING") or "shipped")
   assert all(0.001 < c["rel_err_vs_f32"] < 0.003 for c in rec["cases"].values())
   assert "all bit-equal" in capsys.readouterr().out
+
+
+def test_profile_decode_defaults_to_the_lora_path_rollouts_run():
+  # Until 8f7f91c its default was "gemv-xa" (XLA's LoRA dots at 3+ rows) while the model and bench_rollout fuse
+  # the epilogue there, so batch-8 profiles timed a step rollouts do not run.
+  import dataclasses as dc
+  from experiments import profile_decode
+  from qerl_jax.model.config import ModelConfig
+  args = profile_decode.build_parser().parse_args(["--out", "x.json"])
+  defaults = {f.name: f.default for f in dc.fields(ModelConfig)}
+  assert args.lora_epilogue == [profile_decode.lora_label(
+      {"fused_lora": defaults["fused_lora"], "gemv_lora_xa": defaults["gemv_lora_xa"]})] == ["fused+gemv-xa"]
