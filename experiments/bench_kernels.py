@@ -81,7 +81,12 @@ CANDIDATES = {
                 # More programs by split-K: 7B gate at 8 rows ran 296 programs (127 registers, 60 KB: 3 fit per SM)
                 _C(16, 64, 256, num_warps=4, num_stages=4, programs_per_sm=4, ragged_split=True),
                 _C(16, 64, 256, num_warps=4, num_stages=2, programs_per_sm=4, ragged_split=True),
-                _C(16, 64, 256, num_warps=4, num_stages=2, programs_per_sm=8, ragged_split=True)],
+                _C(16, 64, 256, num_warps=4, num_stages=2, programs_per_sm=8, ragged_split=True),
+                # 2 warps: mma.sync, whose operand layout reads the packed bytes 8 at a time (the H200 file since
+                # 8f7f91c: 7B batch 8, 4.72 -> 4.16 kernel ms per step in the model)
+                _C(16, 64, 256, num_warps=2, num_stages=3, programs_per_sm=6, ragged_split=True),
+                _C(16, 64, 256, num_warps=2, num_stages=2, programs_per_sm=4, ragged_split=True),
+                _C(16, 64, 256, num_warps=2, num_stages=2, programs_per_sm=8, ragged_split=True)],
   ("fwd", 64): [_C(64, 64, 128, num_warps=4, num_stages=4), _C(64, 128, 128, num_warps=4, num_stages=3),
                 _C(64, 64, 256, num_warps=4, num_stages=3), _C(32, 64, 256, num_warps=4, num_stages=4),
                 _C(64, 128, 128, num_warps=8, num_stages=3), _C(32, 128, 128, num_warps=4, num_stages=4),
