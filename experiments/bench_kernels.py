@@ -276,7 +276,8 @@ def _record(direction, k, n, rows, timed: Timing, bf16: Timing | None, bw, **ext
               **extra, _programs=(timed, bf16))
 
 
-def add_device_us(records: list, module_us: dict[str, float], bw: float, launches: dict[str, str] | None = None) -> None:
+def add_device_us(records: list, module_us: dict[str, float], bw: float,
+                  launches: dict[str, str] | None = None) -> None:
   """Adds device_us / bf16_device_us (GPU kernel time per call, from a trace's {module: us}) and the speedup
   and roofline fraction by them, and ``launch`` (the timed kernel's registers, shared memory, grid and
   occupancy, from the trace's {module: launch}); drops "_programs". A program the trace did not see gets no

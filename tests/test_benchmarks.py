@@ -215,7 +215,8 @@ def test_profile_decode_sums_stream_kernels_only(tmp_path):
   # Each kernel's first event says which HLO op it ran; the op's HLO text comes from the "XLA Ops" line.
   gemv = details["nvfp4_gemv"]
   assert gemv["hlo_op"] == "custom-call.3" and "gpu.triton" in gemv["long_name"] and gemv["calls"] == 2
-  assert details["loop_add_fusion"] == {"hlo_op": "add.1", "hlo_module": "jit_step", "kernel_details": "regs:16 grid:4,1,1",
+  assert details["loop_add_fusion"] == {"hlo_op": "add.1", "hlo_module": "jit_step",
+                                        "kernel_details": "regs:16 grid:4,1,1",
                                         "calls": 1}
   # Per program (bench_kernels --trace): stream kernels only, by the module each ran in.
   assert profile_decode.module_kernel_us(str(tmp_path)) == {"jit_decode": 8.0, "jit_step": 2.0}

@@ -381,9 +381,10 @@ def test_configs_fit_every_shape():
 
 def test_few_row_forwards_shorten_k_steps_when_they_admit_no_split():
   # 7B down_proj at 16 rows: 18944 / 256 = 74 steps admit no even split of 4 for the tile kernel's 56 column
-  # blocks, so unragged it gets block_k 128 and a split of 4 instead of 256 and 2. The gemv's split may be ragged: at 1 row
-  # its 224 column blocks of 16 take 37 steps of 512 in 2 ranges (19 + 18) for 2 programs per SM, or in 5
-  # ranges of 8 (the last 5) for 8 per SM, and keep block_k. A shape whose split is already full keeps block_k.
+  # blocks, so unragged it gets block_k 128 and a split of 4 instead of 256 and 2. The gemv's split may be
+  # ragged: at 1 row its 224 column blocks of 16 take 37 steps of 512 in 2 ranges (19 + 18) for 2 programs per
+  # SM, or in 5 ranges of 8 (the last 5) for 8 per SM, and keep block_k. A shape whose split is already full keeps
+  # block_k.
   gemv = Nvfp4MatmulConfig(block_n=16, block_k=512, engine="gemv")
   down = config_lib.fit(gemv, "fwd", 1, 18944, 3584, auto_split=True)
   assert (down.engine, down.block_k, down.split) == ("gemv", 512, 2)
