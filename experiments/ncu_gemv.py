@@ -10,6 +10,16 @@ With ``--rows 8`` the dispatch launches the tile kernel instead (``nvfp4_matmul_
 (ncu reads the H200's counters on the Firecracker machines: KINDS.md in the device tool's folder.) Each kernel
 runs twice, so the second launch of each is past compilation and autotuning. The records it gave are in
 experiments/results/ncu_gemv_*.txt and summarized in RESULTS.md ("Where the one-row gemv's time goes").
+
+Stall reasons per issued instruction and the SMs' spread of active cycles (what results/ncu_tile8_*.txt hold):
+
+    M=sm__cycles_active.min,sm__cycles_active.avg,sm__cycles_active.max,sm__cycles_elapsed.max,\
+    smsp__issue_active.avg.pct_of_peak_sustained_active,\
+    regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio
+    ncu --clock-control none --kernel-name regex:nvfp4 --launch-count 2 --section LaunchStats --metrics $M \
+        python3 experiments/ncu_gemv.py --rows 8 > $OUT/ncu8.txt
+
+(The first ncu run of one call once ended in a segmentation fault with no record; a second run worked.)
 """
 
 from __future__ import annotations
