@@ -19,7 +19,8 @@ Stall reasons per issued instruction and the SMs' spread of active cycles (what 
     ncu --clock-control none --kernel-name regex:nvfp4 --launch-count 2 --section LaunchStats --metrics $M \
         python3 experiments/ncu_gemv.py --rows 8 > $OUT/ncu8.txt
 
-(The first ncu run of one call once ended in a segmentation fault with no record; a second run worked.)
+(In both calls that ran it this session, the first ncu run of the call ended in a segmentation fault with no
+record, and a second run of the same command worked: retry once.)
 """
 
 from __future__ import annotations
