@@ -190,16 +190,18 @@ def run(args):
   for quant in args.quants:
     base = synthetic_base(model_config(args.model), quant)
     # bf16 has no kernel epilogue and nothing to merge
-    variants = [(a, l, f, g, t) for l in args.decode_layers for a in args.decode_attention
+    variants = [(a, l, f, g, t, pt) for l in args.decode_layers for a in args.decode_attention
                 for f in (args.lora_epilogue if quant == "nvfp4" else ["xla"])
                 for g in (args.merged_launches if quant == "nvfp4" else ["none"])
-                for t in (args.tunings if quant == "nvfp4" else [""])]
-    for attention, layers, epilogue, groups, tuning in variants:
+                for t in (args.tunings if quant == "nvfp4" else [""])
+                for pt in (args.partials_tiles if quant == "nvfp4" else ["off"])]
+    for attention, layers, epilogue, groups, tuning, tiles in variants:
       use_tuning(tuning)
       config = model_config(args.model).replace(decode_attention=attention, decode_layers=layers,
                                                 fused_lora=epilogue.startswith("fused"),
                                                 gemv_lora_xa=epilogue.endswith("gemv-xa"),
-                                                rollout_merged_launches=merged_groups(groups, quant))
+                                                rollout_merged_launches=merged_groups(groups, quant),
+                                                decode_partials_tiles=tiles == "on")
       lora = LoraConfig(rank=16, alpha=16, dtype=jnp.dtype(args.lora_dtype))
       model = Transformer(config, base, lora=lora, rngs=nnx.Rngs(0))
       gs = nnx.split(model)
@@ -224,6 +226,7 @@ def run(args):
         kernel_ms = sum(totals.values()) / 1e3 / args.steps
         rec = dict(model=args.model, quant=quant, batch=batch, decode_attention=attention, decode_layers=layers,
                    fused_lora=config.fused_lora, gemv_lora_xa=config.gemv_lora_xa, lora_dtype=args.lora_dtype,
+                   decode_partials_tiles=config.decode_partials_tiles,
                    rollout_merged_launches=",".join(config.merged_launch_groups), steps=args.steps,
                    cache_len=args.cache_len, start=args.start, ms_per_step=ms_step, kernel_ms_per_step=kernel_ms,
                    span_ms_per_step=span / 1e3 / args.steps,
@@ -269,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "both (the gemv's x @ A at 1-2 rows, the fused epilogue elsewhere: the model's and "
                       "bench_rollout's default, hence this one's; until 8f7f91c it was gemv-xa, so profiles at 3+ "
                       "rows ran XLA's LoRA dots that rollouts do not)")
+  p.add_argument("--partials-tiles", nargs="+", default=["off"], choices=["off", "on"],
+                 help="NVFP4: ModelConfig.decode_partials_tiles (the 3-16-row tile launches hand their partials to "
+                      "the decode kernels that end each step); both values: an A/B in one process")
   p.add_argument("--merged-launches", nargs="+", default=["auto"], metavar="GROUPS",
                  help="NVFP4: comma-separated groups (qkv, gate_up) as one launch each "
                       "(ModelConfig.rollout_merged_launches; auto = both, the default; none = one per projection); "
@@ -302,11 +308,12 @@ def main():
   with open(args.out, "w") as f:
     json.dump(records, f)
   print(f"\n{'quant':6s} {'batch':>5s} {'attn':6s} {'layers':8s} {'lora':13s} {'merged':12s} {'wall ms':>8s} "
-        f"{'kernel ms':>9s}  tuning")
+        f"{'kernel ms':>9s} tiles  tuning")
   for r in records:
     print(f"{r['quant']:6s} {r['batch']:5d} {r['decode_attention']:6s} {r['decode_layers']:8s} "
           f"{lora_label(r):13s} {r['rollout_merged_launches'] or 'none':12s} "
-          f"{r['ms_per_step']:8.2f} {r['kernel_ms_per_step']:9.2f}  {r['tuning']}")
+          f"{r['ms_per_step']:8.2f} {r['kernel_ms_per_step']:9.2f} "
+          f"{'on' if r.get('decode_partials_tiles') else 'off':5s}  {r['tuning']}")
 
 
 if __name__ == "__main__":

@@ -6,4 +6,6 @@ from kernels.nvfp4_matmul import (  # noqa: F401
 )
 from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas  # noqa: F401
 from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas  # noqa: F401
-from kernels.nvfp4_matmul_xa import nvfp4_matmul_xa, nvfp4_matmul_xa_partials, xa_shares_launch  # noqa: F401
+from kernels.nvfp4_matmul_xa import (  # noqa: F401
+  nvfp4_matmul_xa, nvfp4_matmul_xa_partials, partials_launch_applies, xa_shares_launch,
+)

@@ -137,9 +137,10 @@ def _tile(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_
 def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array,
                             global_scale: jax.Array, *, config: Nvfp4MatmulConfig,
                             interpret: bool = False, poison: bool = False, layer=None, xa_MxR=None, b_RxN=None,
-                            bias_N=None, lora_scale: float = 0.0) -> jax.Array:
+                            bias_N=None, lora_scale: float = 0.0, sum_splits: bool = True) -> jax.Array:
   """Builds the grid and launches the forward kernel (or, for config.engine == "gemv", the few-row kernel of
-  ``nvfp4_gemv``); returns y [M, N] in x's dtype.
+  ``nvfp4_gemv``); returns y [M, N] in x's dtype (tile kernels with ``sum_splits=False``: the split-K partial
+  sums as they are, float32 [split, M, N], or [1, M, N] in x's dtype unsplit, for a kernel that adds them).
 
   The weight is one [N, K/2] tensor, or stacked [L, N, K/2] with ``layer`` picking one (read in place), or
   tuples of a group's members (``nvfp4_tile.group_operands``: y is [M, sum of their N]).
@@ -172,7 +173,8 @@ def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb
   x_in = halves_order(x_MxK, cfg.block_k) if cfg.dequant in HALVES_DECODERS else x_MxK
   return nvfp4_tile.launch(kernel, [x_in, *weight_operands, *epi_ops], rows=m, cols=n, split=cfg.split,
                            dtype=x_MxK.dtype, grid=(num_m * num_n, cfg.split), num_warps=cfg.num_warps,
-                           num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_matmul_fwd")
+                           num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_matmul_fwd",
+                           sum_splits=sum_splits)
 
 
 def _mosaic(x_MxK, packed_NxKh, scale_NxKb, global_scale, cfg, interpret, layer, xa_MxR, b_RxN, bias_N, lora_scale):

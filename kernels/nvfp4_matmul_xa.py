@@ -55,20 +55,33 @@ def nvfp4_matmul_xa(x: jax.Array, q: NVFP4Tensor | mm.Nvfp4Group, a_KxR: jax.Arr
 
 
 def nvfp4_matmul_xa_partials(x: jax.Array, q: NVFP4Tensor | mm.Nvfp4Group, a_KxR: jax.Array, *, layer=None,
-                             interpret: bool = False, fwd_config: config_lib.Nvfp4MatmulConfig | None = None
-                             ) -> tuple[jax.Array, jax.Array]:
+                             interpret: bool = False, fwd_config: config_lib.Nvfp4MatmulConfig | None = None,
+                             tiles: bool = False) -> tuple[jax.Array, jax.Array]:
   """The shared launch's outputs before their sums: (y partials [S, M, N], x @ A partials [P, M, r] float32).
 
-  x [..., K] (M rows in all). Only where ``xa_shares_launch`` holds (else ValueError); not differentiable.
+  x [..., K] (M rows in all). Only where ``partials_launch_applies`` holds (else ValueError); not differentiable.
   A consumer kernel adds the partials (``kernels.decode_residual_norm``), which saves XLA's kernels for them.
+  With ``tiles``, a few-row call that the tile kernels take (3-16 rows on an H200) gives their split-K partials
+  and XLA's x @ A as one partial (P = 1): the same consumer kernels then end the step at those rows too.
   """
   mm.check_shapes(x.shape, x.dtype, q, layer)
-  cfg = _shared_config(x, q, a_KxR.shape[-1], layer, interpret, fwd_config)
-  if cfg is None:
-    raise ValueError(f"x {x.shape} and A {a_KxR.shape} do not share a gemv launch here (xa_shares_launch)")
   k = x.shape[-1]
-  layer = jnp.int32(0) if layer is None else layer
-  return _partials_launch(x.reshape(-1, k), q, layer, a_KxR, cfg, interpret)
+  cfg = _shared_config(x, q, a_KxR.shape[-1], layer, interpret, fwd_config)
+  if cfg is not None:
+    return _partials_launch(x.reshape(-1, k), q, jnp.int32(0) if layer is None else layer, a_KxR, cfg, interpret)
+  cfg = _tile_config(x, q, layer, interpret, fwd_config) if tiles else None
+  if cfg is None:
+    raise ValueError(f"x {x.shape} and A {a_KxR.shape} do not share a gemv launch here, and {tiles=} gives no "
+                     "tile launch (partials_launch_applies)")
+  return _tile_partials(x.reshape(-1, k), q, layer, a_KxR, cfg, interpret)
+
+
+def partials_launch_applies(x: jax.Array, q: NVFP4Tensor | mm.Nvfp4Group, rank: int, *, layer=None,
+                            interpret: bool = False, fwd_config: config_lib.Nvfp4MatmulConfig | None = None,
+                            tiles: bool = False) -> bool:
+  """Whether ``nvfp4_matmul_xa_partials`` (same arguments) has a launch for this call."""
+  return (xa_shares_launch(x, q, rank, layer=layer, interpret=interpret, fwd_config=fwd_config)
+          or tiles and _tile_config(x, q, layer, interpret, fwd_config) is not None)
 
 
 def xa_shares_launch(x: jax.Array, q: NVFP4Tensor | mm.Nvfp4Group, rank: int, *, layer=None,
@@ -93,6 +106,29 @@ def _shared_config(x, q, rank, layer, interpret, fwd_config) -> config_lib.Nvfp4
   cfg = (config_lib.get_config("fwd", m, k, n, kind) if fwd_config is None
          else config_lib.fit(fwd_config, "fwd", m, k, n))
   return cfg if cfg.engine == "gemv" else None
+
+
+def _tile_config(x, q, layer, interpret, fwd_config) -> config_lib.Nvfp4MatmulConfig | None:
+  """The tile config of a few-row call (at most GEMV_MAX_ROWS rows) the Pallas tile kernels take, else None."""
+  k, n = mm.check_shapes(x.shape, x.dtype, q, layer)
+  m = math.prod(x.shape[:-1])
+  if not (0 < m <= config_lib.GEMV_MAX_ROWS and jnp.dtype(x.dtype) in mm.KERNEL_DTYPES
+          and jax.sharding.get_abstract_mesh().empty
+          and (interpret or mm.default_implementation(x.dtype, m) == "pallas")):
+    return None
+  kind = None if interpret else mm._device_kind()  # pylint: disable=protected-access
+  cfg = (config_lib.get_config("fwd", m, k, n, kind) if fwd_config is None
+         else config_lib.fit(fwd_config, "fwd", m, k, n))
+  return cfg if cfg.engine == "tensorcore" else None
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _tile_partials(x_MxK, q, layer, a_KxR, cfg, interpret):
+  from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas  # pylint: disable=import-outside-toplevel
+  parts = nvfp4_matmul_fwd_pallas(x_MxK, *mm.kernel_operands(q), config=cfg, interpret=interpret,
+                                  layer=layer if mm.is_stacked(q) else None, sum_splits=False)
+  xa_MxR = jnp.einsum("mk,kr->mr", x_MxK.astype(a_KxR.dtype), a_KxR, preferred_element_type=jnp.float32)
+  return parts, xa_MxR[None]
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5, 6))

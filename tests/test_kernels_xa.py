@@ -1,5 +1,7 @@
 """x @ A in the gemv's launch (`kernels.nvfp4_matmul_xa`): interpret mode against NumPy, gradients, fallbacks."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,3 +185,15 @@ def test_partials_are_the_shared_launchs_outputs_before_their_sums():
   tile = Nvfp4MatmulConfig(block_m=16, block_n=16, block_k=32)  # a tile kernel: no x @ A in its launch
   with pytest.raises(ValueError, match="do not share a gemv launch"):
     kernels.nvfp4_matmul_xa_partials(x, q, a, interpret=True, fwd_config=tile)
+  assert not kernels.partials_launch_applies(x, q, rank, interpret=True, fwd_config=tile)
+  # With tiles (ModelConfig.decode_partials_tiles) the tile kernel's split-K partials, and XLA's x @ A as one.
+  for split in (5, 1):
+    cfg = dataclasses.replace(tile, split=split)
+    assert kernels.partials_launch_applies(x, q, rank, interpret=True, fwd_config=cfg, tiles=True)
+    parts, xa_parts = kernels.nvfp4_matmul_xa_partials(x, q, a, interpret=True, fwd_config=cfg, tiles=True)
+    y = kernels.nvfp4_matmul(x, q, interpret=True, fwd_config=cfg)
+    assert parts.shape == (split, 2, n) and parts.dtype == (jnp.float32 if split > 1 else jnp.bfloat16)
+    assert xa_parts.shape == (1, 2, rank) and xa_parts.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(parts.astype(jnp.float32).sum(0).astype(jnp.bfloat16), np.float32),
+                                  np.asarray(y.reshape(2, n), np.float32), err_msg=f"{seed=}")
+    _assert_xa_close(xa_parts[0], x, a, f"{seed=}")

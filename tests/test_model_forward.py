@@ -460,6 +460,56 @@ def test_decode_partials_to_pallas_give_the_xla_decode_logits(monkeypatch, loop)
   assert not any(f"decode_{name}" in results["xla-jaxpr"] for name in names)
 
 
+def test_decode_partials_tiles_give_the_same_decode_logits_at_tile_rows(monkeypatch):
+  # config.decode_partials_tiles: at four rows (the tile kernels' rows, past the gemv's two) the q|k|v, o_proj,
+  # gate|up and down_proj tile launches hand their split-K partials, and XLA's x @ A as one partial, to the
+  # kernels that end each step (decode_qkv, decode_residual_norm, decode_swiglu), as the gemv's do at 1-2 rows.
+  # Logits of a prefill and two decode steps, rows at different positions and with AQN noise on the norms, equal
+  # those of the same config without it (the fused epilogue and XLA's steps), all in interpret mode; without it
+  # no decode kernel runs at these rows. The 16-row prefill (4 rows x 4 tokens, with a cache) takes the norm and
+  # SwiGLU kernels too; q|k|v's needs a one-token step.
+  import kernels
+  from qerl_jax.model.transformer import unstack_layers, with_merged_launches
+  seed, config, model, tokens, params = _nvfp4_bf16_case(lora_dtype=jnp.bfloat16, qk_norm=False)
+  for name in ("nvfp4_matmul", "nvfp4_matmul_xa", "xa_shares_launch", "nvfp4_matmul_xa_partials",
+               "partials_launch_applies"):
+    monkeypatch.setattr(kernels, name, functools.partial(getattr(kernels, name), interpret=True))
+  rng = np.random.default_rng(seed)
+  noise = {name: jnp.asarray(0.5 * rng.standard_normal((config.num_layers, config.hidden_size)), jnp.float32)
+           for name in ("input_layernorm", "post_attention_layernorm")}
+  params = with_merged_launches(unstack_layers(params), ("qkv", "gate_up"))
+  tokens = jnp.concatenate([tokens, tokens[::-1]])  # 4 rows
+  prompt, steps = tokens[:, :4], tokens[:, 4:]
+  valid = jnp.asarray(np.arange(8)[None, :] >= np.asarray([[0], [1], [2], [0]]))
+  positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+
+  def run(cfg):
+    cache = init_cache(config, 4, 8, per_layer=True)
+    logits, cache = forward(params, cfg, model.lora_scale, prompt, positions[:, :4], cache=cache, cache_index=0,
+                            valid_BxS=valid, norm_noise=noise)
+    out = [logits]
+    for i in range(steps.shape[1]):
+      logits, cache = forward(params, cfg, model.lora_scale, steps[:, i:i + 1], positions[:, 4 + i:5 + i],
+                              cache=cache, cache_index=4 + i, valid_BxS=valid, norm_noise=noise)
+      out.append(logits)
+    return out
+
+  results = {}
+  for tiles in (False, True):
+    cfg = config.replace(gemv_lora_xa=True, decode_partials="pallas", decode_attention="pallas",
+                         decode_partials_tiles=tiles)
+    results[tiles] = [np.asarray(y, np.float32) for y in jax.jit(lambda p, cfg=cfg: run(cfg))(params)]
+    results[f"{tiles}-jaxpr"] = str(jax.make_jaxpr(lambda p, cfg=cfg: run(cfg))(params))
+  for want, got in zip(results[False], results[True]):
+    np.testing.assert_allclose(got, want, atol=0.01 * np.abs(want).max(), err_msg=f"{seed=}")
+  names = ("residual_norm", "swiglu", "qkv_rows")
+  calls = {tiles: [len(re.findall(rf"jit\[\s*name={name}\b", results[f"{tiles}-jaxpr"])) for name in names]
+           for tiles in (False, True)}
+  layers, decode_steps = config.num_layers, steps.shape[1]
+  assert calls == {False: [0, 0, 0], True: [(decode_steps + 1) * 2 * layers, (decode_steps + 1) * layers,
+                                            decode_steps * layers]}, calls
+
+
 def test_decode_qkv_rows_are_the_xla_steps_rows(monkeypatch):
   # One layer's q|k|v at a decode step through kernels.decode_qkv (`_decode_qkv_rows`) against XLA's steps in
   # `_layer` (the group launch's outputs with each member's bias and adapter, RoPE at each row's own position,

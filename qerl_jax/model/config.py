@@ -71,6 +71,11 @@ class ModelConfig:
   # 3.24 / 4.33 at batch 1 / 2, e127210 (this and the gemvs reading x in place) 3.06 / 4.15; x in place alone
   # was -0.14 / -0.06 (86dbcd0).
   decode_partials: str = "auto"
+  # With decode_partials on, the same kernels also end the step at the few rows the tile kernels take (3-16 on
+  # an H200): those launches hand over their split-K partial sums, and x @ A comes from XLA as one partial (the
+  # tile kernels have no x @ A programs), in place of the fused epilogue, XLA's sums of the partials and its
+  # SwiGLU / RoPE / norm steps. Off until timed on a GPU (built at 8f7f91c, CPU-checked only).
+  decode_partials_tiles: bool = False
   # The rollout's layer loop (`qerl_jax.rollout.engine`): "unrolled" copies, once per rollout, every layer
   # parameter the NVFP4 kernels cannot read in place (16-bit weights, adapters, norms, biases) into its own
   # buffer and keeps the KV cache per layer, so a decode step slices nothing; "scan" slices the stacked

@@ -151,17 +151,27 @@ def base_matmul_xa(x_BxTxK: jax.Array, w: Any, a_KxR: jax.Array) -> tuple[jax.Ar
   return kernels.nvfp4_matmul_xa(x_BxTxK, stacked, a_KxR, layer=layer)
 
 
-def partials_apply(x_BxTxK: jax.Array, p: dict[str, Any]) -> bool:
-  """Whether `base_matmul_xa_partials` takes this projection: an adapter whose x @ A shares the gemv's launch."""
-  return p.get("lora_b") is not None and _xa_in_gemv(x_BxTxK, p)
+def partials_apply(x_BxTxK: jax.Array, p: dict[str, Any], tiles: bool = False) -> bool:
+  """Whether `base_matmul_xa_partials` takes this projection: an adapter whose x @ A shares the gemv's launch,
+  or (``tiles``, ModelConfig.decode_partials_tiles) a few-row call of the tile kernels."""
+  if p.get("lora_b") is None:
+    return False
+  if _xa_in_gemv(x_BxTxK, p):
+    return True
+  if not tiles or p.get("lora_a") is None or not is_nvfp4(p["w"]):
+    return False
+  import kernels  # pylint: disable=import-outside-toplevel
+  stacked, layer = _stack_and_layer(p["w"])
+  return kernels.partials_launch_applies(x_BxTxK, stacked, p["lora_a"].shape[-1], layer=layer, tiles=True)
 
 
-def base_matmul_xa_partials(x_BxTxK: jax.Array, w: Any, a_KxR: jax.Array) -> tuple[jax.Array, jax.Array]:
+def base_matmul_xa_partials(x_BxTxK: jax.Array, w: Any, a_KxR: jax.Array,
+                            tiles: bool = False) -> tuple[jax.Array, jax.Array]:
   """`base_matmul_xa` before the partial sums are added: (y partials [S, M, N], x @ A partials [P, M, r] float32)
   for a kernel that adds them itself; M = the rows of x. Decode only (not differentiable)."""
   import kernels  # pylint: disable=import-outside-toplevel
   stacked, layer = _stack_and_layer(w)
-  return kernels.nvfp4_matmul_xa_partials(x_BxTxK, stacked, a_KxR, layer=layer)
+  return kernels.nvfp4_matmul_xa_partials(x_BxTxK, stacked, a_KxR, layer=layer, tiles=tiles)
 
 
 def _stack_and_layer(w: Any) -> tuple[Any, Any]:

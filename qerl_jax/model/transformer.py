@@ -148,10 +148,11 @@ def _decode_qkv_rows(config: ModelConfig, lora_scale: float, h_BxTxD: jax.Array,
   ps = [p[name] for name in SHARED_INPUT["qkv"]]
   ranks = {None if q.get("lora_b") is None else q["lora_b"].shape[0] for q in ps}
   if (not pallas or config.qk_norm or merged is None or merged.get("lora_b") is None or len(ranks) != 1
-      or None in ranks or not linear_lib.partials_apply(h_BxTxD, merged)):
+      or None in ranks or not linear_lib.partials_apply(h_BxTxD, merged, config.decode_partials_tiles)):
     return None
   from kernels.decode_qkv import qkv_rows  # pylint: disable=import-outside-toplevel
-  parts_SxMxN, xa_PxMxR = linear_lib.base_matmul_xa_partials(h_BxTxD, merged["w"], merged["lora_a"])
+  parts_SxMxN, xa_PxMxR = linear_lib.base_matmul_xa_partials(h_BxTxD, merged["w"], merged["lora_a"],
+                                                              config.decode_partials_tiles)
   b, t, _ = h_BxTxD.shape
   return qkv_rows(parts_SxMxN, cos.reshape(b * t, -1), sin.reshape(b * t, -1), heads=config.num_heads,
                   kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=h_BxTxD.dtype,
@@ -169,9 +170,10 @@ def _swiglu(config: ModelConfig, lora_scale: float, h_BxTxD: jax.Array, p, a_KxR
   if (pallas and merged is not None and merged.get("lora_b") is not None and h_BxTxD.dtype == dtype
       and gate.get("lora_b") is not None and up.get("lora_b") is not None
       and gate["lora_b"].shape[0] == up["lora_b"].shape[0] and (gate.get("b") is None) == (up.get("b") is None)
-      and linear_lib.partials_apply(h_BxTxD, merged)):
+      and linear_lib.partials_apply(h_BxTxD, merged, config.decode_partials_tiles)):
     from kernels.decode_swiglu import swiglu  # pylint: disable=import-outside-toplevel
-    parts_SxMx2N, xa_PxMxR = linear_lib.base_matmul_xa_partials(h_BxTxD, merged["w"], merged["lora_a"])
+    parts_SxMx2N, xa_PxMxR = linear_lib.base_matmul_xa_partials(h_BxTxD, merged["w"], merged["lora_a"],
+                                                                config.decode_partials_tiles)
     n = gate["lora_b"].shape[1]
     m_MxN = swiglu(parts_SxMx2N, n=n, dtype=dtype, xa_PxMxR=xa_PxMxR, b_gate_RxN=gate["lora_b"],
                    b_up_RxN=up["lora_b"], lora_scale=lora_scale, bias_gate_N=gate.get("b"), bias_up_N=up.get("b"),
@@ -188,9 +190,11 @@ def _residual_norm(config: ModelConfig, lora_scale: float, x_BxTxD: jax.Array, i
   residual and normalizes (kernels/decode_residual_norm.py), with the same roundings."""
   eps = config.rms_norm_eps
   pallas, interpret = _partials_to_pallas(config, decode, gemv_xa)
-  if pallas and in_BxTxK.dtype == x_BxTxD.dtype and linear_lib.partials_apply(in_BxTxK, proj):
+  if (pallas and in_BxTxK.dtype == x_BxTxD.dtype
+      and linear_lib.partials_apply(in_BxTxK, proj, config.decode_partials_tiles)):
     from kernels.decode_residual_norm import residual_norm  # pylint: disable=import-outside-toplevel
-    parts_SxMxD, xa_PxMxR = linear_lib.base_matmul_xa_partials(in_BxTxK, proj["w"], proj["lora_a"])
+    parts_SxMxD, xa_PxMxR = linear_lib.base_matmul_xa_partials(in_BxTxK, proj["w"], proj["lora_a"],
+                                                                config.decode_partials_tiles)
     shape = x_BxTxD.shape
     x_MxD, h_MxD = residual_norm(x_BxTxD.reshape(-1, shape[-1]), parts_SxMxD, norm_D, eps=eps, xa_PxMxR=xa_PxMxR,
                                  b_RxD=proj["lora_b"], lora_scale=lora_scale, bias_D=proj.get("b"), noise_D=noise_D,
