@@ -121,6 +121,7 @@ def run_one(args):
 
   config = model_config(args.model).replace(decode_attention=args.decode_attention, decode_layers=args.decode_layers,
                                             fused_lora=args.fused_lora, gemv_lora_xa=args.gemv_lora_xa,
+                                            decode_partials_tiles=args.decode_partials_tiles,
                                             rollout_base_dtype=args.rollout_base_dtype,
                                             rollout_merged_launches=merged_groups(args.merged_launches, args.quant))
   base = synthetic_base(config, args.quant)
@@ -171,6 +172,7 @@ def _time_rollout(args, config, graphdef, state, weight_bytes, bw, batch):
               device=jax.devices()[0].device_kind, jax=jax.__version__,
               decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora,
               gemv_lora_xa=args.gemv_lora_xa, rollout_base_dtype=args.rollout_base_dtype,
+              decode_partials_tiles=args.decode_partials_tiles,
               rollout_merged_launches=",".join(config.merged_launch_groups),
               xla_flags=os.environ.get("XLA_FLAGS", ""),
               kernel_tuning=os.environ.get("QERL_KERNEL_TUNING", "") or "shipped")  # a variant file, if one is set
@@ -279,6 +281,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       "(ModelConfig.fused_lora; the default)")
   p.add_argument("--gemv-lora-xa", action=argparse.BooleanOptionalAction, default=True,
                  help="NVFP4: x @ A in the gemv's launch at decode rows (ModelConfig.gemv_lora_xa; the default)")
+  p.add_argument("--decode-partials-tiles", action=argparse.BooleanOptionalAction, default=False,
+                 help="NVFP4: the tile launches' partials to the decode kernels at 3-16 rows "
+                      "(ModelConfig.decode_partials_tiles; off by default)")
   p.add_argument("--rollout-base-dtype", default="", choices=["", "bfloat16"],
                  help="NVFP4: dequantize the base once per rollout into a bf16 copy "
                       "(ModelConfig.rollout_base_dtype; '' = the fused kernels, the default)")
@@ -320,6 +325,7 @@ def main():
            "--decode-attention", args.decode_attention, "--decode-layers", args.decode_layers,
            "--fused-lora" if args.fused_lora else "--no-fused-lora",
            "--gemv-lora-xa" if args.gemv_lora_xa else "--no-gemv-lora-xa",
+           "--decode-partials-tiles" if args.decode_partials_tiles else "--no-decode-partials-tiles",
            "--rollout-base-dtype", args.rollout_base_dtype, "--merged-launches", args.merged_launches]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:  # records arrive as each batch finishes, so a time-out keeps what ran
