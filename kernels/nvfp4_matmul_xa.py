@@ -94,22 +94,8 @@ def xa_shares_launch(x: jax.Array, q: NVFP4Tensor | mm.Nvfp4Group, rank: int, *,
   return _shared_config(x, q, rank, layer, interpret, fwd_config) is not None
 
 
-def _shared_config(x, q, rank, layer, interpret, fwd_config) -> config_lib.Nvfp4MatmulConfig | None:
-  """The gemv config of the shared launch, or None where the two products run separately."""
-  k, n = mm.check_shapes(x.shape, x.dtype, q, layer)
-  m = math.prod(x.shape[:-1])
-  if not (0 < m <= config_lib.GEMV_MAX_ROWS and jnp.dtype(x.dtype) in mm.KERNEL_DTYPES
-          and xa_rank_supported(rank) and jax.sharding.get_abstract_mesh().empty
-          and (interpret or mm.default_implementation(x.dtype, m) == "pallas")):
-    return None
-  kind = None if interpret else mm._device_kind()  # pylint: disable=protected-access
-  cfg = (config_lib.get_config("fwd", m, k, n, kind) if fwd_config is None
-         else config_lib.fit(fwd_config, "fwd", m, k, n))
-  return cfg if cfg.engine == "gemv" else None
-
-
-def _tile_config(x, q, layer, interpret, fwd_config) -> config_lib.Nvfp4MatmulConfig | None:
-  """The tile config of a few-row call (at most GEMV_MAX_ROWS rows) the Pallas tile kernels take, else None."""
+def _few_row_config(x, q, layer, interpret, fwd_config) -> config_lib.Nvfp4MatmulConfig | None:
+  """The fitted forward config of a call of at most GEMV_MAX_ROWS rows that the Pallas kernels take, else None."""
   k, n = mm.check_shapes(x.shape, x.dtype, q, layer)
   m = math.prod(x.shape[:-1])
   if not (0 < m <= config_lib.GEMV_MAX_ROWS and jnp.dtype(x.dtype) in mm.KERNEL_DTYPES
@@ -117,9 +103,20 @@ def _tile_config(x, q, layer, interpret, fwd_config) -> config_lib.Nvfp4MatmulCo
           and (interpret or mm.default_implementation(x.dtype, m) == "pallas")):
     return None
   kind = None if interpret else mm._device_kind()  # pylint: disable=protected-access
-  cfg = (config_lib.get_config("fwd", m, k, n, kind) if fwd_config is None
-         else config_lib.fit(fwd_config, "fwd", m, k, n))
-  return cfg if cfg.engine == "tensorcore" else None
+  return (config_lib.get_config("fwd", m, k, n, kind) if fwd_config is None
+          else config_lib.fit(fwd_config, "fwd", m, k, n))
+
+
+def _shared_config(x, q, rank, layer, interpret, fwd_config) -> config_lib.Nvfp4MatmulConfig | None:
+  """The gemv config of the shared launch, or None where the two products run separately."""
+  cfg = _few_row_config(x, q, layer, interpret, fwd_config) if xa_rank_supported(rank) else None
+  return cfg if cfg is not None and cfg.engine == "gemv" else None
+
+
+def _tile_config(x, q, layer, interpret, fwd_config) -> config_lib.Nvfp4MatmulConfig | None:
+  """The tile config of a few-row call the Pallas tile kernels take, else None."""
+  cfg = _few_row_config(x, q, layer, interpret, fwd_config)
+  return cfg if cfg is not None and cfg.engine == "tensorcore" else None
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5))

@@ -400,6 +400,22 @@ def test_gemv_lora_xa_gives_the_same_decode_logits_and_adapter_gradients(monkeyp
   assert len(re.findall(r"name=_shared_launch\b", shared_jaxpr)) == 7 and "nvfp4_gemv_xa" not in plain_jaxpr
 
 
+def _prefill_then_decode(params, cfg, lora_scale, tokens, valid, noise, per_layer: bool) -> list:
+  """Logits of a prefill of the first 4 tokens (with a cache of 8 slots) and one decode step per later token, each
+  row at its own RoPE position (``valid`` [B, 8] marks its padding)."""
+  positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+  prompt, steps = tokens[:, :4], tokens[:, 4:]
+  cache = init_cache(cfg, tokens.shape[0], 8, per_layer=per_layer)
+  logits, cache = forward(params, cfg, lora_scale, prompt, positions[:, :4], cache=cache, cache_index=0,
+                          valid_BxS=valid, norm_noise=noise)
+  out = [logits]
+  for i in range(steps.shape[1]):
+    logits, cache = forward(params, cfg, lora_scale, steps[:, i:i + 1], positions[:, 4 + i:5 + i], cache=cache,
+                            cache_index=4 + i, valid_BxS=valid, norm_noise=noise)
+    out.append(logits)
+  return out
+
+
 @pytest.mark.parametrize("loop", ["scan", "per_layer", "per_layer_qkv"])
 def test_decode_partials_to_pallas_give_the_xla_decode_logits(monkeypatch, loop):
   # config.decode_partials="pallas": at a cached decode step o_proj's and down_proj's gemvs hand their partial
@@ -425,21 +441,12 @@ def test_decode_partials_to_pallas_give_the_xla_decode_logits(monkeypatch, loop)
            for name in ("input_layernorm", "post_attention_layernorm")}
   params = with_merged_launches(unstack_layers(params), ("qkv", "gate_up")) if per_layer else params
   attention = "pallas" if per_layer else "xla"
-  prompt, steps = tokens[:, :4], tokens[:, 4:]
+  steps = tokens[:, 4:]
   # Row 1's first slot is padding: the rows' RoPE positions differ, so a row given the other's shows.
   valid = jnp.asarray(np.arange(8)[None, :] >= np.asarray([[0], [1]]))
-  positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
 
   def run(cfg):
-    cache = init_cache(config, 2, 8, per_layer=per_layer)
-    logits, cache = forward(params, cfg, model.lora_scale, prompt, positions[:, :4], cache=cache, cache_index=0,
-                            valid_BxS=valid, norm_noise=noise)
-    out = [logits]
-    for i in range(steps.shape[1]):
-      logits, cache = forward(params, cfg, model.lora_scale, steps[:, i:i + 1], positions[:, 4 + i:5 + i],
-                              cache=cache, cache_index=4 + i, valid_BxS=valid, norm_noise=noise)
-      out.append(logits)
-    return out
+    return _prefill_then_decode(params, cfg, model.lora_scale, tokens, valid, noise, per_layer)
 
   results = {}
   for mode in ("xla", "pallas"):
@@ -479,20 +486,11 @@ def test_decode_partials_tiles_give_the_same_decode_logits_at_tile_rows(monkeypa
            for name in ("input_layernorm", "post_attention_layernorm")}
   params = with_merged_launches(unstack_layers(params), ("qkv", "gate_up"))
   tokens = jnp.concatenate([tokens, tokens[::-1]])  # 4 rows
-  prompt, steps = tokens[:, :4], tokens[:, 4:]
+  steps = tokens[:, 4:]
   valid = jnp.asarray(np.arange(8)[None, :] >= np.asarray([[0], [1], [2], [0]]))
-  positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
 
   def run(cfg):
-    cache = init_cache(config, 4, 8, per_layer=True)
-    logits, cache = forward(params, cfg, model.lora_scale, prompt, positions[:, :4], cache=cache, cache_index=0,
-                            valid_BxS=valid, norm_noise=noise)
-    out = [logits]
-    for i in range(steps.shape[1]):
-      logits, cache = forward(params, cfg, model.lora_scale, steps[:, i:i + 1], positions[:, 4 + i:5 + i],
-                              cache=cache, cache_index=4 + i, valid_BxS=valid, norm_noise=noise)
-      out.append(logits)
-    return out
+    return _prefill_then_decode(params, cfg, model.lora_scale, tokens, valid, noise, True)
 
   results = {}
   for tiles in (False, True):
