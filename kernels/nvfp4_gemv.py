@@ -217,7 +217,7 @@ def _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_r
               else None)
   zeros = tuple(jnp.zeros((block_n, block_b), jnp.float32) for _ in range(rows))
   accs = k_loop(trips, load_weights, trip, zeros, prefetch)
-  multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant)
+  multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant, jnp.bfloat16)  # "asm" decodes in bf16
   for r, acc in enumerate(accs):
     y_N = jnp.sum(acc, axis=-1) * (multiplier if x_powers is None else multiplier * x_powers[r][1])
     row = jnp.int32(r)  # Pallas indexes refs with traced ints, not Python ones

@@ -72,11 +72,13 @@ def dequant_halves(packed_RxKh: jax.Array, scale_RxKb: jax.Array, dtype) -> tupl
 
 
 def output_multiplier(global_scale: jax.Array, method: str = "jnp", dtype=None) -> jax.Array:
-  """The float32 factor that turns an accumulator over decoded tiles into the true product (``dtype``: the
-  decoded tiles' type, for the tile kernels' "asm" decoder, whose bf16 planes are scaled by 2**-FOLD_BF16)."""
-  divisor = 1.0 if method == "asm" else CODE_DIVISOR
-  if method == "asm" and dtype is not None and jnp.dtype(dtype) == jnp.bfloat16:
-    divisor = 2.0 ** FOLD_BF16
+  """The float32 factor that turns an accumulator over decoded tiles into the true product. ``dtype``: the type
+  ``dequant_halves_asm`` decoded to, required with "asm" (its bf16 planes are scaled by 2**-FOLD_BF16)."""
+  if method != "asm":
+    return jnp.float32(CODE_DIVISOR) / global_scale.astype(jnp.float32)
+  if dtype is None:
+    raise ValueError('output_multiplier: the "asm" decoder\'s factor depends on the dtype it decoded to')
+  divisor = 2.0 ** FOLD_BF16 if jnp.dtype(dtype) == jnp.bfloat16 else 1.0
   return jnp.float32(divisor) / global_scale.astype(jnp.float32)
 
 

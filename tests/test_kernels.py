@@ -534,6 +534,17 @@ def test_asm_decoder_bit_logic_in_numpy(dtype, request):
     np.testing.assert_array_equal(got * multiplier, want, err_msg=half)
 
 
+def test_asm_output_multiplier_needs_the_decoded_dtype():
+  # The "asm" planes carry 2**-FOLD_BF16 in bf16 only: a caller that does not say which dtype it decoded to
+  # (the gemv's "asm" path did not, at 30cb867, and would have been 256x small on a GPU) fails at trace time,
+  # which the CUDA lowering tests reach for every asm kernel.
+  from kernels import nvfp4_tile
+  with pytest.raises(ValueError, match="depends on the dtype"):
+    nvfp4_tile.output_multiplier(jnp.float32(2.0), "asm")
+  assert nvfp4_tile.output_multiplier(jnp.float32(2.0), "asm", jnp.bfloat16) == 2.0 ** nvfp4_tile.FOLD_BF16 / 2
+  assert nvfp4_tile.output_multiplier(jnp.float32(2.0), "asm", jnp.float16) == 0.5
+
+
 def test_asm_e4m3_decoder_bit_logic_in_numpy(request):
   """Emulates the e4m3-route PTX (``nvfp4_tile._ASM_E4M3``, constants read back from its text) on 32-bit words
   of four random bytes each, every byte value present: the shift / mask steps per plane, then each byte read as
