@@ -436,6 +436,8 @@ def test_decode_partials_to_pallas_give_the_xla_decode_logits(monkeypatch, loop)
   monkeypatch.setattr(kernels, "xa_shares_launch", functools.partial(kernels.xa_shares_launch, interpret=True))
   monkeypatch.setattr(kernels, "nvfp4_matmul_xa_partials",
                       functools.partial(kernels.nvfp4_matmul_xa_partials, interpret=True))
+  monkeypatch.setattr(kernels, "partials_launch_applies",
+                      functools.partial(kernels.partials_launch_applies, interpret=True))
   rng = np.random.default_rng(seed)
   noise = {name: jnp.asarray(0.5 * rng.standard_normal((config.num_layers, config.hidden_size)), jnp.float32)
            for name in ("input_layernorm", "post_attention_layernorm")}
@@ -517,7 +519,7 @@ def test_decode_qkv_rows_are_the_xla_steps_rows(monkeypatch):
   from qerl_jax.model import linear as linear_lib
   from qerl_jax.model.transformer import _decode_qkv_rows, unstack_layers, with_merged_launches
   seed, config, model, _, params = _nvfp4_bf16_case(lora_dtype=jnp.bfloat16, qk_norm=False)
-  for name in ("nvfp4_matmul_xa", "xa_shares_launch", "nvfp4_matmul_xa_partials"):
+  for name in ("nvfp4_matmul_xa", "xa_shares_launch", "nvfp4_matmul_xa_partials", "partials_launch_applies"):
     monkeypatch.setattr(kernels, name, functools.partial(getattr(kernels, name), interpret=True))
   p = with_merged_launches(unstack_layers(params), ("qkv",))["layers"][1]
   rng = np.random.default_rng(seed)

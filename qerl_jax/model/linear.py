@@ -154,15 +154,11 @@ def base_matmul_xa(x_BxTxK: jax.Array, w: Any, a_KxR: jax.Array) -> tuple[jax.Ar
 def partials_apply(x_BxTxK: jax.Array, p: dict[str, Any], tiles: bool = False) -> bool:
   """Whether `base_matmul_xa_partials` takes this projection: an adapter whose x @ A shares the gemv's launch,
   or (``tiles``, ModelConfig.decode_partials_tiles) a few-row call of the tile kernels."""
-  if p.get("lora_b") is None:
-    return False
-  if _xa_in_gemv(x_BxTxK, p):
-    return True
-  if not tiles or p.get("lora_a") is None or not is_nvfp4(p["w"]):
+  if p.get("lora_b") is None or p.get("lora_a") is None or not is_nvfp4(p["w"]):
     return False
   import kernels  # pylint: disable=import-outside-toplevel
   stacked, layer = _stack_and_layer(p["w"])
-  return kernels.partials_launch_applies(x_BxTxK, stacked, p["lora_a"].shape[-1], layer=layer, tiles=True)
+  return kernels.partials_launch_applies(x_BxTxK, stacked, p["lora_a"].shape[-1], layer=layer, tiles=tiles)
 
 
 def base_matmul_xa_partials(x_BxTxK: jax.Array, w: Any, a_KxR: jax.Array,
