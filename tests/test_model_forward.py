@@ -365,8 +365,11 @@ def test_gemv_lora_xa_gives_the_same_decode_logits_and_adapter_gradients(monkeyp
   # (kernels.nvfp4_matmul_xa, interpret mode here). Logits equal the usual path's (XLA on this CPU), the
   # gradients of A and B the float32 path's as closely as bf16 allows, and the launches are the shared ones
   # (no concatenated A's). The gradients are held to float32 by norm, not to the usual bf16 path entry by entry:
-  # where a gradient's entries cancel, the two bf16 paths' entries differed several-fold (seed 17316175). Over
-  # 8 seeds each path's worst layer was 0.6-2.9% from float32 by norm; a wrong scale, layer or adapter is ~100%.
+  # where a gradient's entries cancel, the two bf16 paths' entries differed several-fold (seed 17316175). Where
+  # a whole layer's gradient cancels, both bf16 paths drift together: seed 618920832 put v_proj's A of layer 1
+  # 4.4% (usual) and 9.0% (shared) from float32. So each layer may be 6% off, or 3x the usual path's own error
+  # if that is larger. Over 31 seeds the worst layer used 0.71 of that bound; a wrong scale, layer or adapter
+  # is ~100% off while the usual path stays within a few %.
   import kernels
   seed, config, model, _, params = _nvfp4_bf16_case()
   token = jnp.asarray([[np.random.default_rng(seed).integers(0, 128)]])
@@ -387,15 +390,18 @@ def test_gemv_lora_xa_gives_the_same_decode_logits_and_adapter_gradients(monkeyp
     grads = jax.jit(jax.grad(lambda a: loss(a, cfg)))(adapters)
     jaxpr = str(jax.make_jaxpr(lambda p: forward(p, cfg, model.lora_scale, token))(params))
     results[on] = logits, grads, jaxpr
-  (plain, _, plain_jaxpr), (shared, shared_grads, shared_jaxpr) = results[False], results[True]
+  (plain, plain_grads, plain_jaxpr), (shared, shared_grads, shared_jaxpr) = results[False], results[True]
   np.testing.assert_allclose(shared, plain, atol=0.02 * np.abs(plain).max(), err_msg=f"{seed=}")
+  error = lambda got, want: np.linalg.norm(got - want) / np.linalg.norm(want)
   for n in names:
     for k in ("lora_a", "lora_b"):
-      want, got = np.asarray(exact_grads[n][k], np.float32), np.asarray(shared_grads[n][k], np.float32)
-      for layer, (want_l, got_l) in enumerate(zip(want, got)):
-        assert np.abs(want_l).max() > 0, (n, k, layer)
-        error = np.linalg.norm(got_l - want_l) / np.linalg.norm(want_l)
-        assert error < 0.06, f"{n} {k} layer {layer}: {error:.4f} from float32 by norm, {seed=}"
+      want, got, usual = (np.asarray(g[n][k], np.float32) for g in (exact_grads, shared_grads, plain_grads))
+      for layer in range(len(want)):
+        assert np.abs(want[layer]).max() > 0, (n, k, layer)
+        bound = max(0.06, 3 * error(usual[layer], want[layer]))
+        assert error(got[layer], want[layer]) < bound, (
+            f"{n} {k} layer {layer}: {error(got[layer], want[layer]):.4f} from float32 by norm "
+            f"(the usual bf16 path: {error(usual[layer], want[layer]):.4f}), {seed=}")
   # Each of the seven projections of the (scanned) layer is one shared launch; the usual path has none.
   assert len(re.findall(r"name=_shared_launch\b", shared_jaxpr)) == 7 and "nvfp4_gemv_xa" not in plain_jaxpr
 
