@@ -392,7 +392,10 @@ def test_gemv_lora_xa_gives_the_same_decode_logits_and_adapter_gradients(monkeyp
     results[on] = logits, grads, jaxpr
   (plain, plain_grads, plain_jaxpr), (shared, shared_grads, shared_jaxpr) = results[False], results[True]
   np.testing.assert_allclose(shared, plain, atol=0.02 * np.abs(plain).max(), err_msg=f"{seed=}")
-  error = lambda got, want: np.linalg.norm(got - want) / np.linalg.norm(want)
+
+  def error(got, want):  # relative, by norm
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
+
   for n in names:
     for k in ("lora_a", "lora_b"):
       want, got, usual = (np.asarray(g[n][k], np.float32) for g in (exact_grads, shared_grads, plain_grads))
