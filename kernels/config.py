@@ -79,7 +79,9 @@ class Nvfp4MatmulConfig:
   ragged_split: bool = False  # tile forward: ragged K ranges (the gemv's always are)
   one_round: bool = False  # automatic split: at most one round of programs_per_sm x SMs (``fit``)
   half_products: bool = False  # gemv, e4m3-route decoders: each block's products and sum in float16
-  x_in_place: bool = False  # gemv: read x where it lies, each nibble plane's columns by a stride-2 load
+  # gemv: read x where it lies, each nibble plane's columns by a stride-2 load; tile forward with a halves
+  # decoder: load x's run as it lies and split its even / odd columns in registers (no reordered copy)
+  x_in_place: bool = False
 
   def __post_init__(self):
     if self.engine not in ENGINES:

@@ -49,11 +49,12 @@ def logical_order(a_MxK: jax.Array, block_k: int) -> jax.Array:
 
 def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, *refs, widths: tuple[int, ...], block_m: int, block_n: int,
                             block_k: int, steps: int, group_m: int, split: int, dequant: str = "jnp",
-                            epilogue: Epilogue = Epilogue()):
+                            epilogue: Epilogue = Epilogue(), x_in_place: bool = False):
   """One [block_m, block_n] output tile over one contraction split.
 
   x_ref [M, K] (with a halves-layout dequant, each block_k run of columns holds the run's even columns,
-  then its odd ones: see ``halves_order``); layer_ref int32 [1]; then per weight of ``widths`` (one, or a
+  then its odd ones: see ``halves_order``; with ``x_in_place`` x as it is, split in registers); layer_ref
+  int32 [1]; then per weight of ``widths`` (one, or a
   group's members along N: ``nvfp4_tile.group_operands``) packed_ref uint8 [L*N, K/2], scale_ref e4m3
   [L*N, K/16], gs_ref f32 [L] (rows layer*N .. layer*N + N are the weight); then the epilogue's refs
   (``nvfp4_epilogue``), then o_ref [M, sum of N] (x dtype) when split == 1, else float32 partials
@@ -68,14 +69,14 @@ def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, *refs, widths: tuple[int, ...], bl
   def member_tile(member, pid_n, col_offset):
     _tile(x_ref, layer_ref, *weights[member], epi_refs, o_ref, pid_m, pid_n, pid_s, n=widths[member],
           col_offset=col_offset, block_m=block_m, block_n=block_n, block_k=block_k, steps=steps, split=split,
-          dequant=dequant, epilogue=epilogue)
+          dequant=dequant, epilogue=epilogue, x_in_place=x_in_place)
 
   nvfp4_tile.for_member(pid_n, widths, block_n, member_tile)
 
 
 def _tile(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_m, pid_n, pid_s, *, n: int,
           col_offset: int, block_m: int, block_n: int, block_k: int, steps: int, split: int, dequant: str,
-          epilogue: Epilogue):
+          epilogue: Epilogue, x_in_place: bool = False):
   """Tile (pid_m, pid_n) of one weight's y over split ``pid_s`` (``nvfp4_matmul_fwd_kernel``'s work), written
   from output column ``col_offset`` on (a group member's place in y and in the epilogue's operands)."""
   m, _ = x_ref.shape
@@ -99,8 +100,12 @@ def _tile(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_
     contract = (((1,), (1,)), ((), ()))
     if dequant in HALVES_DECODERS:  # the low nibbles meet x's even columns, the high ones its odd
       rows = pl.ds(pid_m * block_m, block_m)
-      xe_MxKh, xo_MxKh = (plgpu.load(x_ref.at[rows, pl.ds(k0 + half * (block_k // 2), block_k // 2)],
-                                     mask=row_mask[:, None], other=0.0) for half in (0, 1))
+      if x_in_place:  # x's run as it lies, its even and odd columns split in registers (Triton's tt.split)
+        x_MxK = plgpu.load(x_ref.at[rows, pl.ds(k0, block_k)], mask=row_mask[:, None], other=0.0)
+        xe_MxKh, xo_MxKh = jax.lax.unstack(x_MxK.reshape(block_m, block_k // 2, 2), axis=-1)
+      else:
+        xe_MxKh, xo_MxKh = (plgpu.load(x_ref.at[rows, pl.ds(k0 + half * (block_k // 2), block_k // 2)],
+                                       mask=row_mask[:, None], other=0.0) for half in (0, 1))
       we_NxKh, wo_NxKh = nvfp4_tile.decode_halves(dequant)(p_NxKh, s_NxKb, xe_MxKh.dtype)
       return (acc_NxM + jax.lax.dot_general(we_NxKh, xe_MxKh, contract, preferred_element_type=jnp.float32)
               + jax.lax.dot_general(wo_NxKh, xo_MxKh, contract, preferred_element_type=jnp.float32))
@@ -168,9 +173,12 @@ def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb
   kernel = functools.partial(
       nvfp4_matmul_fwd_kernel, widths=widths, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
       steps=k // cfg.block_k, group_m=cfg.group_m, split=cfg.split,
-      dequant=nvfp4_tile.decoder(cfg.dequant, interpret), epilogue=epi)
-  # "halves": a reordered copy of x (small next to the weight it multiplies).
-  x_in = halves_order(x_MxK, cfg.block_k) if cfg.dequant in HALVES_DECODERS else x_MxK
+      dequant=nvfp4_tile.decoder(cfg.dequant, interpret), epilogue=epi, x_in_place=cfg.x_in_place)
+  # "halves": a reordered copy of x (small next to the weight it multiplies), unless the kernel splits x itself.
+  # At decode rows that copy is a kernel of its own: four per 7B layer at batch 8, ~1.3 us each on an H200
+  # (profile_decode at 2b01cf1), 0.15 of a 3.75 ms step.
+  reorder = cfg.dequant in HALVES_DECODERS and not cfg.x_in_place
+  x_in = halves_order(x_MxK, cfg.block_k) if reorder else x_MxK
   return nvfp4_tile.launch(kernel, [x_in, *weight_operands, *epi_ops], rows=m, cols=n, split=cfg.split,
                            dtype=x_MxK.dtype, grid=(num_m * num_n, cfg.split), num_warps=cfg.num_warps,
                            num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_matmul_fwd",

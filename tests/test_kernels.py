@@ -71,6 +71,11 @@ FWD_CASES = [
   # The "halves" decoder (x's even / odd columns meet the two nibble planes): ragged, split, fp16.
   (20, 64, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=32, split=2, dequant="halves")),
   (37, 192, 24, jnp.float16, Nvfp4MatmulConfig(block_m=32, block_n=16, block_k=64, split=3, dequant="halves")),
+  # The halves decoder splitting x's run in registers (x_in_place): ragged rows and N, a ragged split, fp16.
+  (20, 64, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=32, split=2, dequant="halves",
+                                               x_in_place=True)),
+  (37, 160, 24, jnp.float16, Nvfp4MatmulConfig(block_m=32, block_n=16, block_k=32, split=2, dequant="halves",
+                                               ragged_split=True, x_in_place=True)),
   # Ragged K ranges in the tile kernel: 5 K steps as 3 + 2, and as 2 + 2 + 1 with the halves decoder.
   (20, 160, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=32, split=2, ragged_split=True)),
   (5, 160, 24, jnp.float16, Nvfp4MatmulConfig(block_m=16, block_n=16, block_k=32, split=3, dequant="halves",
@@ -219,6 +224,40 @@ def test_gemv_reads_x_in_place_with_no_layout_op(request):
     else:
       assert "transpose" in prims and (x_operand.shape, x_operand.dtype) == ((m, 2, k // 16, 8), jnp.float32)
     _assert_close(f(x), x, _dequant_np(q), jnp.bfloat16)
+
+
+def test_halves_tile_reads_x_in_place_with_no_reordered_copy(request):
+  # The halves decoder meets x's even and odd columns: by default XLA reorders each block_k run first (a
+  # transpose before the launch); with x_in_place the launch gets x itself and splits it in registers. Both give
+  # the oracle's product, with the bias and adapter epilogue too.
+  from tests.test_rollout_layers import _eqns  # pylint: disable=import-outside-toplevel
+  rng = _rng(request)
+  m, k, n, r = 8, 128, 48, 4
+  q = _random_q(rng, k, n)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  xa = jnp.asarray(rng.standard_normal((m, r)), jnp.bfloat16)
+  b = jnp.asarray(rng.standard_normal((r, n)) * 0.1, jnp.bfloat16)
+  outs = []
+  for in_place in (False, True):
+    cfg = config_lib.fit(Nvfp4MatmulConfig(block_m=16, block_n=16, block_k=64, split=2, dequant="halves",
+                                           x_in_place=in_place), "fwd", m, k, n)
+    assert (cfg.engine, cfg.dequant, cfg.split) == ("tensorcore", "halves", 2)
+    f = lambda x, cfg=cfg: nvfp4_matmul_fwd_pallas(x, q.packed_NxKh, q.scale_NxKb, q.global_scale, config=cfg,
+                                                     xa_MxR=xa, b_RxN=b, lora_scale=0.5, interpret=True,
+                                                     poison=True)
+    eqns = list(_eqns(jax.make_jaxpr(f)(x).jaxpr))
+    call = next(e for e in eqns if e.primitive.name == "pallas_call")
+    before = [e.primitive.name for e in eqns[:eqns.index(call)]]
+    assert ("transpose" in before) != in_place, before
+    assert (call.invars[0].aval.shape, call.invars[0].aval.dtype) == ((m, k), jnp.bfloat16)
+    y = f(x)
+    outs.append(np.asarray(y.astype(jnp.float32)))
+    f64 = lambda t: np.asarray(jnp.asarray(t, jnp.float32), np.float64)  # noqa: E731
+    want = f64(x) @ _dequant_np(q) + 0.5 * f64(xa) @ f64(b)
+    err = np.abs(f64(y) - want)
+    assert (err <= 2.0**-8 * np.abs(want) + 1e-5 * np.abs(want).max()).all(), err.max()
+  # The same float32 products in the same order: the two layouts agree bit for bit.
+  np.testing.assert_array_equal(outs[0], outs[1])
 
 
 BWD_CASES = [
