@@ -444,14 +444,15 @@ def test_few_row_forwards_shorten_k_steps_when_they_admit_no_split():
   assert plan(dataclasses.replace(tile, ragged_split=False), 8, 3584, 512).split == 14
   down16 = plan(tile, 16, 18944, 3584)
   assert (down16.engine, down16.block_k, down16.split) == ("tensorcore", 256, 5)
-  # The H200 file (since the 2-warp tile) aims its ragged 3-16-row tiles at 6 programs per SM: down_proj at 8
-  # rows takes 15 ranges of 5 steps (the last 4), 840 programs, where the even plan has 4 (224); o_proj's even 28
-  # ranges of block_k 128 (1568 programs) beat any ragged plan, so it keeps them.
+  # The H200 file (since x_in_place: 173 registers, 5 programs per SM) aims its ragged 3-16-row tiles at 5
+  # programs per SM: down_proj at 8 rows takes 13 ranges of 6 steps (the last 2), 728 programs, where the even
+  # plan has 4 (224); o_proj's even 14 ranges of block_k 128 (784 programs) beat any ragged plan, so it keeps them.
   h200_down8 = config_lib.get_config("fwd", 8, 18944, 3584, "NVIDIA H200")
-  assert (h200_down8.block_k, h200_down8.split, h200_down8.programs_per_sm) == (256, 15, 6)
-  assert config_lib.split_trips(74, 15) == (5, 15)
+  assert (h200_down8.block_k, h200_down8.split, h200_down8.programs_per_sm) == (256, 13, 5)
+  assert h200_down8.x_in_place
+  assert config_lib.split_trips(74, 13) == (6, 13)
   h200_o8 = config_lib.get_config("fwd", 8, 3584, 3584, "NVIDIA H200")
-  assert (h200_o8.block_k, h200_o8.split) == (128, 28)
+  assert (h200_o8.block_k, h200_o8.split) == (128, 14)
   gate = config_lib.fit(gemv, "fwd", 1, 3584, 18944, auto_split=True)
   assert (gate.block_k, gate.split) == (512, 1)  # 1184 column blocks: enough programs unsplit
   k_proj = config_lib.get_config("fwd", 1, 3584, 512, "NVIDIA H200")
