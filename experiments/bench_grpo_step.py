@@ -77,7 +77,7 @@ def run_one(args) -> dict:
   import jax.numpy as jnp
   import numpy as np
   from flax import nnx
-  import kernels
+  import qerl_kernels as kernels
   from qerl_jax import memory, sharding
   from qerl_jax.model import Transformer, split_params
   from qerl_jax.model.linear import LoraConfig

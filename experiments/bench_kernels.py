@@ -34,10 +34,10 @@ import numpy as np
 
 from experiments import provenance
 from experiments.bench_rollout import copy_bandwidth
-from kernels import config as config_lib
-from kernels.config import Nvfp4MatmulConfig
-from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
-from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
+from qerl_kernels import config as config_lib
+from qerl_kernels.config import Nvfp4MatmulConfig
+from qerl_kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
+from qerl_kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
 
 
 def _qwen_shapes(hidden, inter, heads, kv_heads, head_dim=128):
@@ -348,7 +348,7 @@ def bench_xla(direction, k, n, rows, key, bf16_cache, bw, dtype=jnp.bfloat16):
                  config={"block_n": 0, "block_k": 0, "split": 0, "num_warps": 0, "engine": "xla"})
 
 
-# Mosaic GPU kernel candidates for --mosaic (kernels/nvfp4_mgpu.py; untimed at its first commit): pipeline depth,
+# Mosaic GPU kernel candidates for --mosaic (qerl_kernels/nvfp4_mgpu.py; untimed at its first commit): pipeline depth,
 # K per step, decoder and output columns per program; the row tile and K split are what the dispatch would pick
 # (``nvfp4_mgpu.from_matmul_config``).
 MOSAIC_CANDIDATES = [(2, 256, "bits", 64), (3, 256, "bits", 64), (4, 256, "bits", 64), (2, 512, "bits", 64),
@@ -358,7 +358,7 @@ MOSAIC_CANDIDATES = [(2, 256, "bits", 64), (3, 256, "bits", 64), (4, 256, "bits"
 
 def bench_mosaic(k, n, rows, stages, tile_k, decode, tile_n, key, bf16_cache, bw, dtype=jnp.bfloat16):
   """Checks (float32 reference, relative error < 1e-2) and times the Mosaic GPU forward kernel; returns a record."""
-  from kernels import nvfp4_mgpu  # pylint: disable=import-outside-toplevel
+  from qerl_kernels import nvfp4_mgpu  # pylint: disable=import-outside-toplevel
   entry = _C(engine="mosaic", block_m=128, block_n=tile_n, block_k=tile_k, num_stages=stages)
   sms = getattr(jax.devices()[0], "core_count", 132) or 132
   cfg = dataclasses.replace(nvfp4_mgpu.from_matmul_config(entry, rows, k, n, num_sms=sms), decode=decode)
@@ -431,10 +431,10 @@ def main(argv=None):
                  help="also record each op's GPU kernel time per call (device_us) from a profiler trace, and rank "
                       "candidates by it")
   p.add_argument("--mosaic", action="store_true",
-                 help="also time the Mosaic GPU forward kernel (kernels/nvfp4_mgpu.py) candidates, same shape")
+                 help="also time the Mosaic GPU forward kernel (qerl_kernels/nvfp4_mgpu.py) candidates, same shape")
   p.add_argument("--group", action="store_true",
                  help="forward, qkv and gate_up: also time the tuned config over the layer's projections as one "
-                      "group launch (kernels.Nvfp4Group: q, k, v or gate, up read in place; implementation 'group')")
+                      "group launch (qerl_kernels.Nvfp4Group: q, k, v or gate, up read in place; implementation 'group')")
   p.add_argument("--decoders", default="",
                  help="comma-separated tile decoders to time on each tuned config, or with --sweep on each "
                       "candidate (e.g. jnp,halves,asm)")

@@ -41,7 +41,7 @@ def _weights(key, num_layers, k, n, fmt):
 
 def _matmul(x, w):
   if isinstance(w, quant.types.NVFP4Tensor):
-    from kernels import nvfp4_matmul  # pylint: disable=import-outside-toplevel
+    from qerl_kernels import nvfp4_matmul  # pylint: disable=import-outside-toplevel
     return nvfp4_matmul(x, w)
   return jnp.dot(x, w)
 
@@ -58,7 +58,7 @@ def _scan_pass(x, ups, downs):
 
 def _in_place_pass(x, ups, downs):
   """NVFP4 only: the scan carries the layer index and the kernels read that layer of the stack in place."""
-  from kernels import nvfp4_matmul  # pylint: disable=import-outside-toplevel
+  from qerl_kernels import nvfp4_matmul  # pylint: disable=import-outside-toplevel
 
   def body(x, layer):
     h = jnp.tanh(nvfp4_matmul(x, ups, layer=layer))

@@ -273,7 +273,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  help="JSON lines file (default experiments/results/rollout.jsonl; with --smoke, none)")
   p.add_argument("--decode-attention", default="auto", choices=["xla", "pallas", "auto"],
                  help="one-token attention: XLA's, the Pallas kernel that reads the layer's cache in place "
-                      "(kernels/decode_attention.py), or auto (the kernel on a GPU: ModelConfig's default)")
+                      "(qerl_kernels/decode_attention.py), or auto (the kernel on a GPU: ModelConfig's default)")
   p.add_argument("--decode-layers", default="unrolled", choices=["unrolled", "scan"],
                  help="the rollout's layer loop (ModelConfig.decode_layers): per-layer buffers or the stacked scan")
   p.add_argument("--fused-lora", action=argparse.BooleanOptionalAction, default=True,

@@ -35,9 +35,9 @@ def ulps_apart(got, want) -> dict:
 
 
 def kernel_checks(rng, interpret: bool, small: bool) -> dict:
-  from kernels.decode_qkv import qkv_rows, qkv_rows_reference
-  from kernels.decode_residual_norm import residual_norm, residual_norm_reference
-  from kernels.decode_swiglu import swiglu, swiglu_reference
+  from qerl_kernels.decode_qkv import qkv_rows, qkv_rows_reference
+  from qerl_kernels.decode_residual_norm import residual_norm, residual_norm_reference
+  from qerl_kernels.decode_swiglu import swiglu, swiglu_reference
   bf16, f32 = jnp.bfloat16, jnp.float32
   d, n, (h, kvh, dh) = (64, 96, (4, 2, 16)) if small else (3584, 18944, (28, 4, 128))
   out = {}
@@ -76,7 +76,7 @@ def kernel_checks(rng, interpret: bool, small: bool) -> dict:
 def model_check(seed: int, interpret: bool) -> dict:
   """Logits of the per-layer rollout loop with decode_partials "xla" against "pallas" on a small random model."""
   from flax import nnx
-  import kernels
+  import qerl_kernels as kernels
   from qerl_jax.model import LoraConfig, ModelConfig, Transformer, init_cache, random_base
   from qerl_jax.model.transformer import forward, unstack_layers, with_merged_launches
   if interpret:  # the gemv launches' interpret mode, as the tests run them

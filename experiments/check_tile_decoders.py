@@ -25,9 +25,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments.provenance import commit  # noqa: E402
-from kernels import config as config_lib  # noqa: E402
-from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas  # noqa: E402
-from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas  # noqa: E402
+from qerl_kernels import config as config_lib  # noqa: E402
+from qerl_kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas  # noqa: E402
+from qerl_kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas  # noqa: E402
 from qerl_jax.quant import dequantize, quantize  # noqa: E402
 
 SHAPES_7B = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}

@@ -15,7 +15,7 @@ jax's own. Files (ttir, the TTIR after Triton's passes as .opt.ttir, ttgir, ptx,
 ``--out``.
 
 ``--mosaic`` (on a GPU only: Mosaic GPU compiles inside the CUDA plugin) compiles the Mosaic GPU forward kernel
-(``kernels/nvfp4_mgpu.py``) with its dump switches on and reads the same mix from its SASS. The H200 machine
+(``qerl_kernels/nvfp4_mgpu.py``) with its dump switches on and reads the same mix from its SASS. The H200 machine
 has no nvdisasm, so Mosaic GPU dumps PTX only; this tool assembles that PTX with the pip Triton's ptxas
 (``assemble_ptx``; ``--ptx FILE`` does the same for a PTX file brought back). Mosaic GPU writes PTX ISA 9.0 and
 Triton 3.6's ptxas reads 8.8: the version line is lowered, which at 584a6d9 gave the register count the GPU's
@@ -45,9 +45,9 @@ import jax
 import jax.numpy as jnp
 
 from experiments.bench_kernels import MODELS
-from kernels import config as config_lib, nvfp4_gemv
-from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
-from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
+from qerl_kernels import config as config_lib, nvfp4_gemv
+from qerl_kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
+from qerl_kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
 
 # SASS opcode (before the first '.') -> the class reported.
 _CLASSES = {
@@ -209,7 +209,7 @@ def main(argv=None):
                  help="gemv: the launch that also computes x @ A for an adapter of this rank (nvfp4_matmul_xa)")
   p.add_argument("--group", default="", metavar="WIDTHS",
                  help="forward: one launch over a group of weights of these widths, e.g. 3584,512,512 for the "
-                      "shape qkv (kernels.Nvfp4Group: a branch per member)")
+                      "shape qkv (qerl_kernels.Nvfp4Group: a branch per member)")
   p.add_argument("--out", default="/tmp/kernel_sass")
   p.add_argument("--mosaic", default="", metavar="STAGES,TILE_K,DECODE,TILE_N",
                  help="on a GPU: the Mosaic GPU forward kernel with this config (e.g. 4,256,bits,64)")
@@ -328,7 +328,7 @@ def ptx_main(path: str, out_dir: str):
 
 def mosaic_config(spec: str, rows: int, k: int, n: int):
   """The MgpuConfig "STAGES,TILE_K,DECODE,TILE_N" names at this shape (row tile and split as the dispatch picks)."""
-  from kernels import nvfp4_mgpu  # pylint: disable=import-outside-toplevel
+  from qerl_kernels import nvfp4_mgpu  # pylint: disable=import-outside-toplevel
   try:
     stages, tile_k, decode, tile_n = spec.split(",")
     entry = config_lib.Nvfp4MatmulConfig(engine="mosaic", block_m=128, block_n=int(tile_n), block_k=int(tile_k),
@@ -341,7 +341,7 @@ def mosaic_config(spec: str, rows: int, k: int, n: int):
 def mosaic_main(args, k: int, n: int):
   """Compiles and runs the Mosaic GPU kernel once with MOSAIC_GPU_DUMP_TO set, then reads its SASS."""
   import glob  # pylint: disable=import-outside-toplevel
-  from kernels import nvfp4_mgpu  # pylint: disable=import-outside-toplevel
+  from qerl_kernels import nvfp4_mgpu  # pylint: disable=import-outside-toplevel
   from qerl_jax.quant.api import quantize_NxK  # pylint: disable=import-outside-toplevel
   cfg = mosaic_config(args.mosaic, args.rows, k, n)
   if jax.default_backend() != "gpu":

@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from experiments.probe_gemv_loads import PROBES, SHAPES, probe  # noqa: E402
-from kernels import nvfp4_matmul  # noqa: E402
+from qerl_kernels import nvfp4_matmul  # noqa: E402
 from qerl_jax.quant import quantize  # noqa: E402
 
 

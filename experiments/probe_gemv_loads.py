@@ -3,7 +3,7 @@
     python experiments/probe_gemv_loads.py --out $OUT/probe.json
 
 At one row every gemv tuning tried reads 7B gate (3584 x 18944: 38 MB of codes and scales) in ~20 us on an H200
-(1.9 TB/s; kernels/NOTES.md item D), whatever its instruction count. Each probe here reads the same bytes in one
+(1.9 TB/s; qerl_kernels/NOTES.md item D), whatever its instruction count. Each probe here reads the same bytes in one
 access pattern and only sums them as integers, so its time is that pattern's load time. The peers in the same
 trace: XLA's sum over the same bytes, XLA's bf16 gemv on the weight's bf16 shape, and the shipped gemv.
 Device microseconds per call come from a profiler trace, over enough weight copies that none sits in L2.
@@ -111,7 +111,7 @@ def _probes(k: int) -> dict:
 
 def _ops(k: int, interpret: bool):
   """{name: fn(weight arrays, salt int32 [1], x [1, K]) -> anything} for every probe and peer."""
-  from kernels import nvfp4_matmul  # pylint: disable=import-outside-toplevel
+  from qerl_kernels import nvfp4_matmul  # pylint: disable=import-outside-toplevel
 
   ops = {name: lambda w, salt, x, name=name, kw=kw: probe(name, w["packed"], w["scale_u8"], salt,
                                                           interpret=interpret, **kw)

@@ -166,7 +166,7 @@ def use_tuning(path: str) -> None:
 def checked_tunings(paths: list[str] | None) -> list[str]:
   """--tunings as given, or else the QERL_KERNEL_TUNING in force ("" for none: the shipped file). Each file is
   read and checked here (FileNotFoundError or ValueError naming it), so a bad one fails before a model is built."""
-  from kernels import config as config_lib  # pylint: disable=import-outside-toplevel
+  from qerl_kernels import config as config_lib  # pylint: disable=import-outside-toplevel
   paths = [os.environ.get("QERL_KERNEL_TUNING", "")] if paths is None else paths
   before = os.environ.get("QERL_KERNEL_TUNING", "")
   try:

@@ -19,7 +19,7 @@ def commit() -> str:
   try:
     head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout.strip()
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "qerl_jax", "kernels", "configs"],
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "qerl_jax", "qerl_kernels", "configs"],
                            cwd=ROOT, capture_output=True).returncode
   except (OSError, subprocess.CalledProcessError):
     return "unknown"

@@ -6,7 +6,7 @@
   python3 -m experiments.tuning_variant --entry fwd:1 --shapes 18944x3584 --set block_n=64 num_warps=8 --out ...
 
 The way to try a tuning in the model (profile_decode, bench_rollout) against the unchanged file in the same
-GPU call, without editing ``kernels/tuning``. Values are parsed as JSON where they parse (8, true, 0.5), else
+GPU call, without editing ``qerl_kernels/tuning``. Values are parsed as JSON where they parse (8, true, 0.5), else
 kept as strings; the result is checked by loading it as the kernels would.
 """
 
@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from kernels import config as config_lib
+from qerl_kernels import config as config_lib
 
 
 def variant(tuning: dict, direction: str, max_rows: int, changes: dict, shapes: list | None = None) -> dict:

@@ -299,7 +299,7 @@ def plan_from_config(config, model_config: ModelConfig, mesh_shape=None) -> Plan
   fused = c.model.quant == "nvfp4" and jax.default_backend() == "gpu"
   xla_rows = None
   if fused:
-    import kernels  # pylint: disable=import-outside-toplevel
+    import qerl_kernels as kernels  # pylint: disable=import-outside-toplevel
     xla_rows = kernels.xla_min_rows()
   return plan(model_config, c.model.quant, c.train.batch_size, c.data.max_prompt_tokens,
               c.rollout.max_new_tokens, mesh_shape, c.model.lora_rank, c.train.micro_batch_size, c.model.remat,

@@ -263,7 +263,7 @@ def test_profile_decode_runs_every_variant(tmp_path):
 def test_profile_decode_tunings_reach_the_kernel_configs(tmp_path, monkeypatch):
   # --tunings: each file is what the next trace's kernel configs read (QERL_KERNEL_TUNING), "" the shipped one.
   from experiments import profile_decode
-  from kernels import config as config_lib
+  from qerl_kernels import config as config_lib
   monkeypatch.delenv("QERL_KERNEL_TUNING", raising=False)
   shipped = config_lib.get_config("fwd", 1, 3584, 18944, "NVIDIA H200")
   data = json.loads(open(config_lib._device_file("NVIDIA H200")).read())  # pylint: disable=protected-access
@@ -284,7 +284,7 @@ def test_profile_decode_tunings_default_to_the_variable_and_bad_files_fail_first
   # file); a missing or malformed file stops the command at its arguments, naming the file, and leaves the
   # variable as it was.
   from experiments import profile_decode
-  from kernels import config as config_lib
+  from qerl_kernels import config as config_lib
   data = json.loads(open(config_lib._device_file("NVIDIA H200")).read())  # pylint: disable=protected-access
   good, bad = tmp_path / "good.json", tmp_path / "bad.json"
   good.write_text(json.dumps(data))
@@ -323,7 +323,7 @@ def test_kernel_sass_lowers_the_tuned_kernel_and_reads_its_loop():
   # The GPU-free half of experiments/kernel_sass.py: jax's Triton IR for the kernel the H200 dispatch would
   # launch, cleaned for Triton's parser; and the K-loop instruction mix read from SASS text.
   from experiments import kernel_sass
-  from kernels import config as config_lib
+  from qerl_kernels import config as config_lib
 
   cfg = config_lib.get_config("fwd", 8, 3584, 37888, "NVIDIA H200")
   ir = kernel_sass.triton_ir("fwd", 8, 3584, 37888, cfg)
@@ -347,7 +347,7 @@ def test_kernel_sass_lowers_the_tuned_kernel_and_reads_its_loop():
 def test_kernel_sass_lowers_a_group_with_a_branch_per_member():
   # kernel_sass --group: the q|k|v group's launch, one weight operand triple per member and a branch each.
   from experiments import kernel_sass
-  from kernels import config as config_lib
+  from qerl_kernels import config as config_lib
 
   cfg = config_lib.get_config("fwd", 1, 3584, 4608, "NVIDIA H200")
   one = kernel_sass.triton_ir("fwd", 1, 3584, 4608, cfg)
@@ -371,7 +371,7 @@ def test_kernel_sass_lowers_only_the_ptx_version_line():
 def test_tuning_variant_changes_one_entry_and_refuses_bad_ones(tmp_path, monkeypatch):
   # experiments.tuning_variant: the H200 file with one entry's fields changed, loadable as QERL_KERNEL_TUNING.
   from experiments import tuning_variant
-  from kernels import config as config_lib
+  from qerl_kernels import config as config_lib
   out = tmp_path / "v.json"
   assert tuning_variant.main(["--entry", "fwd:2", "--set", "dequant=asm_e4m3", "prefetch=0", "num_warps=8",
                               "--out", str(out)]) == 0

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.decode_attention import decode_attention, decode_attention_update
+from qerl_kernels.decode_attention import decode_attention, decode_attention_update
 from qerl_jax.model import attention as attn
 
 

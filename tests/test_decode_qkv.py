@@ -1,4 +1,4 @@
-"""kernels/decode_qkv.py in interpret mode: against its jnp reference, an independent NumPy one, and the decode
+"""qerl_kernels/decode_qkv.py in interpret mode: against its jnp reference, an independent NumPy one, and the decode
 attention kernel fed its rows."""
 
 
@@ -7,8 +7,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kernels.decode_attention import decode_attention_rows, decode_attention_update
-from kernels.decode_qkv import padded_heads, qkv_rows, qkv_rows_reference
+from qerl_kernels.decode_attention import decode_attention_rows, decode_attention_update
+from qerl_kernels.decode_qkv import padded_heads, qkv_rows, qkv_rows_reference
 from qerl_jax.model.testing import fresh_seed
 from tests.test_decode_residual_norm import _ulps_apart
 from tests.triton_lowering import lower_for_cuda

@@ -1,4 +1,4 @@
-"""kernels/decode_residual_norm.py in interpret mode: against its jnp reference and an independent NumPy one."""
+"""qerl_kernels/decode_residual_norm.py in interpret mode: against its jnp reference and an independent NumPy one."""
 
 
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kernels.decode_residual_norm import residual_norm, residual_norm_reference
+from qerl_kernels.decode_residual_norm import residual_norm, residual_norm_reference
 from qerl_jax.model.testing import fresh_seed
 from tests.triton_lowering import lower_for_cuda
 

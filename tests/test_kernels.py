@@ -16,11 +16,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import kernels
-from kernels import config as config_lib, nvfp4_gemv
-from kernels.config import Nvfp4MatmulConfig
-from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
-from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
+import qerl_kernels as kernels
+from qerl_kernels import config as config_lib, nvfp4_gemv
+from qerl_kernels.config import Nvfp4MatmulConfig
+from qerl_kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
+from qerl_kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
 from qerl_jax.quant.types import NVFP4Tensor
 from tests.triton_lowering import lower_for_cuda
 
@@ -490,7 +490,7 @@ def test_one_round_split_is_the_largest_that_fits_one_round():
 
 
 def test_gemv_split_leaving_a_k_range_empty_is_refused(request):
-  from kernels.nvfp4_gemv import nvfp4_gemv_pallas
+  from qerl_kernels.nvfp4_gemv import nvfp4_gemv_pallas
   q = _random_q(_rng(request), 96, 32)  # 6 K steps of 16: 4 ranges of 2 would leave the fourth empty
   cfg = Nvfp4MatmulConfig(block_n=16, block_k=16, split=4, engine="gemv")
   with pytest.raises(ValueError, match="leaves one empty; use 3"):
@@ -551,7 +551,7 @@ def test_asm_decoder_bit_logic_in_numpy(dtype, request):
   each 16-bit multiply rounded to ``dtype`` as the hardware does. Times ``output_multiplier`` it must equal
   E2M1[nibble] * scale exactly: a wrong constant, byte order, or a product that is not exact (overflow, lost
   bits) fails here though CI cannot run asm."""
-  from kernels import nvfp4_tile
+  from qerl_kernels import nvfp4_tile
 
   np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
   rng = _rng(request)
@@ -578,7 +578,7 @@ def test_asm_output_multiplier_needs_the_decoded_dtype():
   # The "asm" planes carry 2**-FOLD_BF16 in bf16 only: a caller that does not say which dtype it decoded to
   # (the gemv's "asm" path did not, at 30cb867, and would have been 256x small on a GPU) fails at trace time,
   # which the CUDA lowering tests reach for every asm kernel.
-  from kernels import nvfp4_tile
+  from qerl_kernels import nvfp4_tile
   with pytest.raises(ValueError, match="depends on the dtype"):
     nvfp4_tile.output_multiplier(jnp.float32(2.0), "asm")
   assert nvfp4_tile.output_multiplier(jnp.float32(2.0), "asm", jnp.bfloat16) == 2.0 ** nvfp4_tile.FOLD_BF16 / 2
@@ -591,7 +591,7 @@ def test_asm_e4m3_decoder_bit_logic_in_numpy(request):
   e4m3 (what cvt.rn.f16x2.e4m3x2 converts; e4m3 -> f16 is exact) against E2M1 / 64 of the byte's nibble, in
   byte order (e0 = bytes 0, 1 -> $0; e1 = bytes 2, 3 -> $1). A wrong shift, mask or byte order fails here."""
   import re
-  from kernels import nvfp4_tile
+  from qerl_kernels import nvfp4_tile
 
   rng = _rng(request)
   bytes_Wx4 = np.concatenate([np.arange(256, dtype=np.uint8).reshape(64, 4),
@@ -678,7 +678,7 @@ def test_asm_fma_products_ptx_in_numpy(request):
   E2M1[lo] / 64 * x_lo[i] + E2M1[hi] / 64 * x_hi[i] (x_lo in $5..$8, x_hi in $9..$12), the product of the high
   nibble rounded once and added to the low one's in a fused multiply-add. A wrong shift, mask, byte order or
   operand number fails."""
-  from kernels import nvfp4_tile
+  from qerl_kernels import nvfp4_tile
 
   rng = _rng(request)
   bytes_Wx4 = np.concatenate([np.arange(256, dtype=np.uint8).reshape(64, 4),
@@ -847,7 +847,7 @@ def test_xla_path_from_the_devices_measured_crossover(monkeypatch):
   assert config_lib.xla_min_rows("NVIDIA H200") == 2048
   assert config_lib.xla_min_rows("Some Other GPU") is None and config_lib.xla_min_rows(None) is None
   import sys
-  mm = sys.modules["kernels.nvfp4_matmul"]  # the module (the package attribute is the function)
+  mm = sys.modules["qerl_kernels.nvfp4_matmul"]  # the module (the package attribute is the function)
   monkeypatch.setattr(mm, "_gpu_supported", lambda: True)
   monkeypatch.setattr(mm, "_device_kind", lambda: "NVIDIA H200")
   assert mm.default_implementation(jnp.bfloat16, 2047) == "pallas"
@@ -897,8 +897,8 @@ _LOWERING_CASES = {  # name -> (direction, config, with the epilogue)
 def test_kernels_lower_to_triton_for_cuda(case):
   """Lowers each kernel variant for a CUDA GPU on this CPU machine: the Pallas -> Triton step that interpret
   mode skips. (A masked load's fill value without a mask passed interpret mode and failed only on the GPU.)"""
-  from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
-  from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
+  from qerl_kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
+  from qerl_kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
 
   direction, cfg, epilogue = _LOWERING_CASES[case]
   k, n, m = 256, 96, 2

@@ -1,14 +1,14 @@
-"""The forward kernels' epilogue (bias + scale * xa @ B, kernels/nvfp4_epilogue.py) in interpret mode."""
+"""The forward kernels' epilogue (bias + scale * xa @ B, qerl_kernels/nvfp4_epilogue.py) in interpret mode."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
-from kernels import config as config_lib
-from kernels.config import Nvfp4MatmulConfig
-from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
+import qerl_kernels as kernels
+from qerl_kernels import config as config_lib
+from qerl_kernels.config import Nvfp4MatmulConfig
+from qerl_kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
 from tests.test_kernels import _dequant_np, _random_q, _rng
 
 F32, BF16 = jnp.float32, jnp.bfloat16

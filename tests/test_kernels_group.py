@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
-from kernels.config import Nvfp4MatmulConfig
+import qerl_kernels as kernels
+from qerl_kernels.config import Nvfp4MatmulConfig
 from tests.test_kernels import _assert_close, _dequant_np, _random_q, _rng, _stack
 from tests.triton_lowering import lower_for_cuda
 
@@ -132,7 +132,7 @@ def test_group_kernels_lower_to_triton_for_cuda(case):
   m, k, widths, cfg = CASES[case]
   cfg = dataclasses.replace(cfg, dequant="asm")
   group, _ = _group(np.random.default_rng(0), k, widths)
-  operands = importlib.import_module("kernels.nvfp4_matmul").kernel_operands
+  operands = importlib.import_module("qerl_kernels.nvfp4_matmul").kernel_operands
   f = lambda x, g: kernels.nvfp4_matmul_fwd_pallas(x, *operands(g), config=cfg, layer=jnp.int32(LAYER))
   text, module = lower_for_cuda(f, jnp.ones((m, k), jnp.bfloat16), group)
   assert text.count("__gpu$xla.gpu.triton") == 1

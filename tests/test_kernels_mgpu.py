@@ -1,4 +1,4 @@
-"""The Mosaic GPU NVFP4 kernel (`kernels/nvfp4_mgpu.py`): Mosaic GPU's interpreter against NumPy, the CUDA lowering
+"""The Mosaic GPU NVFP4 kernel (`qerl_kernels/nvfp4_mgpu.py`): Mosaic GPU's interpreter against NumPy, the CUDA lowering
 of the GPU path (where Mosaic GPU checks its register layouts), and bad input."""
 
 import dataclasses
@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
-from kernels import config as config_lib, nvfp4_mgpu
-from kernels.config import Nvfp4MatmulConfig
-from kernels.nvfp4_mgpu import MgpuConfig
+import qerl_kernels as kernels
+from qerl_kernels import config as config_lib, nvfp4_mgpu
+from qerl_kernels.config import Nvfp4MatmulConfig
+from qerl_kernels.nvfp4_mgpu import MgpuConfig
 from qerl_jax.model.testing import fresh_seed
 from tests.test_kernels import _dequant_np, _random_q
 

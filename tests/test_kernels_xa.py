@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
-from kernels import nvfp4_gemv
-from kernels.config import Nvfp4MatmulConfig
+import qerl_kernels as kernels
+from qerl_kernels import nvfp4_gemv
+from qerl_kernels.config import Nvfp4MatmulConfig
 from qerl_jax.model.testing import fresh_seed
 from tests.test_kernels import _dequant_np, _random_q
 from tests.test_rollout_layers import _eqns
@@ -149,7 +149,7 @@ def test_model_projection_routes_bias_and_adapter_by_the_two_flags(monkeypatch, 
   # forced on this CPU (nothing runs).
   import sys
   from qerl_jax.model.linear import linear
-  mm = sys.modules["kernels.nvfp4_matmul"]
+  mm = sys.modules["qerl_kernels.nvfp4_matmul"]
   monkeypatch.setattr(mm, "_gpu_supported", lambda: True)
   monkeypatch.setattr(mm, "_device_kind", lambda: "NVIDIA H200")
   q = _random_q(np.random.default_rng(fresh_seed()), 256, 64)

@@ -279,7 +279,7 @@ def test_nvfp4_layers_reach_the_kernels_whole_and_give_the_xla_logits(monkeypatc
   # The layer scan hands each NVFP4 projection to the kernel as the whole stack plus the layer index
   # (`LayerOf`), so no layer of packed bytes is sliced (copied); the logits equal the XLA path's, which
   # dequantizes a sliced layer. The kernels run in Pallas interpret mode (bf16 activations).
-  import kernels
+  import qerl_kernels as kernels
   seed, config, model, tokens, params = _nvfp4_bf16_case()
   # Fresh functions (not the model's cached jit), so each traces the matmul path in force at the time.
   xla_logits = np.asarray(jax.jit(lambda p: forward(p, config, model.lora_scale, tokens))(params))
@@ -302,7 +302,7 @@ def test_fused_lora_applies_at_decode_rows_only(monkeypatch):
   # H200. Traced with the H200 dispatch forced on this CPU (nothing runs): bf16 adapters, so only rows decide.
   import importlib
   from tests.test_rollout_layers import _eqns  # (that module imports this one)
-  mm = importlib.import_module("kernels.nvfp4_matmul")  # the module (the package exports its function by name)
+  mm = importlib.import_module("qerl_kernels.nvfp4_matmul")  # the module (the package exports its function by name)
   monkeypatch.setattr(mm, "_gpu_supported", lambda: True)
   monkeypatch.setattr(mm, "_device_kind", lambda: "NVIDIA H200")
   _, config, model, _, params = _nvfp4_bf16_case(lora_dtype=jnp.bfloat16)
@@ -328,7 +328,7 @@ def test_fused_lora_epilogue_gives_the_same_logits_and_adapter_gradients(monkeyp
   # logits equal the unfused model's on the XLA path and through the kernels (interpret mode), and so do the
   # adapters' gradients on the XLA path (the kernels' VJP: tests/test_kernels_epilogue.py). Biases (q/k/v)
   # and nonzero bf16 adapters (float32 ones stay out of the epilogue) on all seven projections take part.
-  import kernels
+  import qerl_kernels as kernels
   seed, config, model, tokens, params = _nvfp4_bf16_case(lora_dtype=jnp.bfloat16)
   config = config.replace(fused_lora=False)
 
@@ -370,7 +370,7 @@ def test_gemv_lora_xa_gives_the_same_decode_logits_and_adapter_gradients(monkeyp
   # 4.4% (usual) and 9.0% (shared) from float32. So each layer may be 6% off, or 3x the usual path's own error
   # if that is larger. Over 31 seeds the worst layer used 0.71 of that bound; a wrong scale, layer or adapter
   # is ~100% off while the usual path stays within a few %.
-  import kernels
+  import qerl_kernels as kernels
   seed, config, model, _, params = _nvfp4_bf16_case()
   token = jnp.asarray([[np.random.default_rng(seed).integers(0, 128)]])
   monkeypatch.setattr(kernels, "nvfp4_matmul_xa", functools.partial(kernels.nvfp4_matmul_xa, interpret=True))
@@ -437,7 +437,7 @@ def test_decode_partials_to_pallas_give_the_xla_decode_logits(monkeypatch, loop)
   # its q|k|v stays with XLA. Logits of a prefill and two decode steps of two rows, with AQN noise on both
   # block norms (large, so that leaving it out, or taking another layer's, shows), equal the XLA path's; the
   # prefill (8 rows a call) keeps XLA's path.
-  import kernels
+  import qerl_kernels as kernels
   from qerl_jax.model.transformer import unstack_layers, with_merged_launches
   per_layer = loop != "scan"
   seed, config, model, tokens, params = _nvfp4_bf16_case(lora_dtype=jnp.bfloat16, qk_norm=loop != "per_layer_qkv")
@@ -486,7 +486,7 @@ def test_decode_partials_tiles_give_the_same_decode_logits_at_tile_rows(monkeypa
   # those of the same config without it (the fused epilogue and XLA's steps), all in interpret mode; without it
   # no decode kernel runs at these rows. The 16-row prefill (4 rows x 4 tokens, with a cache) takes the norm and
   # SwiGLU kernels too; q|k|v's needs a one-token step.
-  import kernels
+  import qerl_kernels as kernels
   from qerl_jax.model.transformer import unstack_layers, with_merged_launches
   seed, config, model, tokens, params = _nvfp4_bf16_case(lora_dtype=jnp.bfloat16, qk_norm=False)
   for name in ("nvfp4_matmul", "nvfp4_matmul_xa", "xa_shares_launch", "nvfp4_matmul_xa_partials",
@@ -523,7 +523,7 @@ def test_decode_qkv_rows_are_the_xla_steps_rows(monkeypatch):
   # One layer's q|k|v at a decode step through kernels.decode_qkv (`_decode_qkv_rows`) against XLA's steps in
   # `_layer` (the group launch's outputs with each member's bias and adapter, RoPE at each row's own position,
   # k and v in the cache's dtype), for two rows at different positions: within one bf16 ulp, rarely apart.
-  import kernels
+  import qerl_kernels as kernels
   from qerl_jax.model import attention as attn
   from qerl_jax.model import linear as linear_lib
   from qerl_jax.model.transformer import _decode_qkv_rows, unstack_layers, with_merged_launches

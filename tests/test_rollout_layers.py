@@ -236,7 +236,7 @@ def test_merged_launches_give_the_separate_launches_logits_in_one_launch_per_gro
   # bf16 adapters), with 4 matmul launches per layer where there were 7, and no weight concatenated.
   import functools
   import re
-  import kernels
+  import qerl_kernels as kernels
   seed = fresh_seed()
   config = tiny_config(dtype="bfloat16")
   model = random_model(config, seed, quant="nvfp4", lora_dtype=jnp.bfloat16)

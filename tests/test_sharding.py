@@ -289,7 +289,7 @@ def _main_kernel():
   """Under a context mesh the fused kernel runs per device on its rows (shard_map); values and gradients match."""
   import jax
   import jax.numpy as jnp
-  import kernels
+  import qerl_kernels as kernels
   from jax.sharding import NamedSharding, PartitionSpec as P
   from qerl_jax import quant, sharding
 

@@ -66,7 +66,7 @@ class ModelConfig:
   # Where a cached one-token decode step's gemv partial sums go, for the projections whose gemv computes the
   # adapter's x @ A (gemv_lora_xa): "pallas" to the kernel that ends the step they feed (kernels/
   # decode_residual_norm.py after o_proj and down_proj: sum, adapter, residual add and the next RMSNorm;
-  # kernels/decode_swiglu.py after the gate|up launch; interpret mode off the GPU), "xla" to XLA's kernels (nine
+  # qerl_kernels/decode_swiglu.py after the gate|up launch; interpret mode off the GPU), "xla" to XLA's kernels (nine
   # per layer at a 7B batch-1 step), "auto" pallas on a GPU. On an H200, 7B NVFP4 kernel ms per step: e7ddf94
   # 3.24 / 4.33 at batch 1 / 2, e127210 (this and the gemvs reading x in place) 3.06 / 4.15; x in place alone
   # was -0.14 / -0.06 (86dbcd0).
@@ -83,7 +83,7 @@ class ModelConfig:
   # token on an H200: experiments/RESULTS.md) but no extra memory.
   decode_layers: str = "unrolled"
   # NVFP4 projections add their bias and LoRA product in the matmul kernel's epilogue (one kernel instead of
-  # several small ones per projection; kernels/nvfp4_epilogue.py), at calls of at most fused_lora_max_rows rows
+  # several small ones per projection; qerl_kernels/nvfp4_epilogue.py), at calls of at most fused_lora_max_rows rows
   # (decode), except where gemv_lora_xa below takes the call (1-2 rows). On an H200 at e2d8b42 (7B): decode step
   # 9.21 -> 8.67 ms at batch 64 and 5.21 -> 5.19 at batch 8 (profile); rollout 7075.8 -> 7441.8 tok/s at batch
   # 64. Applied at every row count (with the trainer's float32 adapters), the GRPO step lost: update 9.81 ->
@@ -94,7 +94,7 @@ class ModelConfig:
   fused_lora: bool = True
   fused_lora_max_rows: int = 64
   # NVFP4 projections at decode rows (the gemv engine, 1-2 rows) compute the adapter's x @ A inside the gemv's
-  # launch (kernels/nvfp4_matmul_xa.py) instead of XLA's own small kernels for it (~21 us per 7B layer at batch
+  # launch (qerl_kernels/nvfp4_matmul_xa.py) instead of XLA's own small kernels for it (~21 us per 7B layer at batch
   # 1). On an H200 at 06e7c3c: 7B batch-1 step 4.60 -> 4.47 ms (profile), batch 2 6.21 -> 5.65 ms; rollout
   # 226.5 -> 234.8 tok/s. Elsewhere (more rows, CPU, a mesh) it changes nothing. It takes precedence over
   # fused_lora where both apply (fused_lora's gemv epilogue lost to it at one row, e0f3129).

@@ -120,7 +120,7 @@ def base_matmul(x_BxTxK: jax.Array, w: Any, **epilogue) -> jax.Array:
   """
   if is_nvfp4(w):
     # The project's top-level kernels/ package; it falls back to XLA itself where no kernel runs.
-    from kernels import nvfp4_matmul  # pylint: disable=import-outside-toplevel
+    from qerl_kernels import nvfp4_matmul  # pylint: disable=import-outside-toplevel
     stacked, layer = _stack_and_layer(w)
     return nvfp4_matmul(x_BxTxK, stacked, layer=layer, **epilogue)
   if qtypes.is_quantized(w):
@@ -139,14 +139,14 @@ def _xa_in_gemv(x_BxTxK: jax.Array, p: dict[str, Any]) -> bool:
   own x @ A (`lora_xa`, concatenated in `linears`) is the faster one."""
   if p.get("lora_a") is None or not is_nvfp4(p["w"]):
     return False
-  import kernels  # pylint: disable=import-outside-toplevel
+  import qerl_kernels as kernels  # pylint: disable=import-outside-toplevel
   stacked, layer = _stack_and_layer(p["w"])
   return kernels.xa_shares_launch(x_BxTxK, stacked, p["lora_a"].shape[-1], layer=layer)
 
 
 def base_matmul_xa(x_BxTxK: jax.Array, w: Any, a_KxR: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(x @ W, x @ A in float32) for an NVFP4 weight: one kernel launch at decode rows (where it applies)."""
-  import kernels  # pylint: disable=import-outside-toplevel
+  import qerl_kernels as kernels  # pylint: disable=import-outside-toplevel
   stacked, layer = _stack_and_layer(w)
   return kernels.nvfp4_matmul_xa(x_BxTxK, stacked, a_KxR, layer=layer)
 
@@ -156,7 +156,7 @@ def partials_apply(x_BxTxK: jax.Array, p: dict[str, Any], tiles: bool = False) -
   or (``tiles``, ModelConfig.decode_partials_tiles) a few-row call of the tile kernels."""
   if p.get("lora_b") is None or p.get("lora_a") is None or not is_nvfp4(p["w"]):
     return False
-  import kernels  # pylint: disable=import-outside-toplevel
+  import qerl_kernels as kernels  # pylint: disable=import-outside-toplevel
   stacked, layer = _stack_and_layer(p["w"])
   return kernels.partials_launch_applies(x_BxTxK, stacked, p["lora_a"].shape[-1], layer=layer, tiles=tiles)
 
@@ -165,7 +165,7 @@ def base_matmul_xa_partials(x_BxTxK: jax.Array, w: Any, a_KxR: jax.Array,
                             tiles: bool = False) -> tuple[jax.Array, jax.Array]:
   """`base_matmul_xa` before the partial sums are added: (y partials [S, M, N], x @ A partials [P, M, r] float32)
   for a kernel that adds them itself; M = the rows of x. Decode only (not differentiable)."""
-  import kernels  # pylint: disable=import-outside-toplevel
+  import qerl_kernels as kernels  # pylint: disable=import-outside-toplevel
   stacked, layer = _stack_and_layer(w)
   return kernels.nvfp4_matmul_xa_partials(x_BxTxK, stacked, a_KxR, layer=layer, tiles=tiles)
 

@@ -98,7 +98,7 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, h_BxTxD, p, noise, n
     stacked = k_cache.ndim == 5  # [L, B, S, Hkv, Dh] and this layer's index, or this layer's [B, S, Hkv, Dh]
     if pallas_attention:
       # The kernel reads this layer's cache in place and writes the token's k and v into it.
-      from kernels import decode_attention as kernel  # pylint: disable=import-outside-toplevel
+      from qerl_kernels import decode_attention as kernel  # pylint: disable=import-outside-toplevel
       k_stack, v_stack, index = (k_cache, v_cache, layer) if stacked else (k_cache[None], v_cache[None], 0)
       # Slots past this token's own are invisible to every row: their blocks are not read.
       if rows is None:
@@ -142,7 +142,7 @@ def _partials_to_pallas(config: ModelConfig, decode: bool, gemv_xa: bool) -> tup
 def _decode_qkv_rows(config: ModelConfig, lora_scale: float, h_BxTxD: jax.Array, p, merged, cos, sin, cache_dtype,
                      gemv_xa: bool) -> jax.Array | None:
   """The decode attention kernel's input rows from one kernel over the q|k|v group launch's partials
-  (kernels/decode_qkv.py: sums, biases, adapters, RoPE, the cache's dtype), with config.decode_partials on and
+  (qerl_kernels/decode_qkv.py: sums, biases, adapters, RoPE, the cache's dtype), with config.decode_partials on and
   every member adapted at one rank; None where that does not apply (then `_layer` runs XLA's steps)."""
   pallas, interpret = _partials_to_pallas(config, True, gemv_xa)
   ps = [p[name] for name in SHARED_INPUT["qkv"]]
@@ -150,7 +150,7 @@ def _decode_qkv_rows(config: ModelConfig, lora_scale: float, h_BxTxD: jax.Array,
   if (not pallas or config.qk_norm or merged is None or merged.get("lora_b") is None or len(ranks) != 1
       or None in ranks or not linear_lib.partials_apply(h_BxTxD, merged, config.decode_partials_tiles)):
     return None
-  from kernels.decode_qkv import qkv_rows  # pylint: disable=import-outside-toplevel
+  from qerl_kernels.decode_qkv import qkv_rows  # pylint: disable=import-outside-toplevel
   parts_SxMxN, xa_PxMxR = linear_lib.base_matmul_xa_partials(h_BxTxD, merged["w"], merged["lora_a"],
                                                               config.decode_partials_tiles)
   b, t, _ = h_BxTxD.shape
@@ -164,14 +164,14 @@ def _swiglu(config: ModelConfig, lora_scale: float, h_BxTxD: jax.Array, p, a_KxR
             gemv_xa: bool, decode: bool, dtype) -> jax.Array:
   """SiLU(gate_proj(h)) * up_proj(h) in ``dtype``. At a decode step whose gate|up group launch computes the
   adapters' x @ A, with config.decode_partials on, one kernel adds the launch's partial sums and the adapters'
-  terms and applies SwiGLU (kernels/decode_swiglu.py), with the same roundings."""
+  terms and applies SwiGLU (qerl_kernels/decode_swiglu.py), with the same roundings."""
   gate, up = p["gate_proj"], p["up_proj"]
   pallas, interpret = _partials_to_pallas(config, decode, gemv_xa)
   if (pallas and merged is not None and merged.get("lora_b") is not None and h_BxTxD.dtype == dtype
       and gate.get("lora_b") is not None and up.get("lora_b") is not None
       and gate["lora_b"].shape[0] == up["lora_b"].shape[0] and (gate.get("b") is None) == (up.get("b") is None)
       and linear_lib.partials_apply(h_BxTxD, merged, config.decode_partials_tiles)):
-    from kernels.decode_swiglu import swiglu  # pylint: disable=import-outside-toplevel
+    from qerl_kernels.decode_swiglu import swiglu  # pylint: disable=import-outside-toplevel
     parts_SxMx2N, xa_PxMxR = linear_lib.base_matmul_xa_partials(h_BxTxD, merged["w"], merged["lora_a"],
                                                                 config.decode_partials_tiles)
     n = gate["lora_b"].shape[1]
@@ -187,12 +187,12 @@ def _residual_norm(config: ModelConfig, lora_scale: float, x_BxTxD: jax.Array, i
                    noise_D, fused: bool, gemv_xa: bool, decode: bool) -> tuple[jax.Array, jax.Array]:
   """(x + proj(in), the RMSNorm (norm_D + noise_D) of it). At a decode step whose gemv computes the adapter's
   x @ A, with config.decode_partials on, one kernel adds the gemv's partial sums, bias and adapter term to the
-  residual and normalizes (kernels/decode_residual_norm.py), with the same roundings."""
+  residual and normalizes (qerl_kernels/decode_residual_norm.py), with the same roundings."""
   eps = config.rms_norm_eps
   pallas, interpret = _partials_to_pallas(config, decode, gemv_xa)
   if (pallas and in_BxTxK.dtype == x_BxTxD.dtype
       and linear_lib.partials_apply(in_BxTxK, proj, config.decode_partials_tiles)):
-    from kernels.decode_residual_norm import residual_norm  # pylint: disable=import-outside-toplevel
+    from qerl_kernels.decode_residual_norm import residual_norm  # pylint: disable=import-outside-toplevel
     parts_SxMxD, xa_PxMxR = linear_lib.base_matmul_xa_partials(in_BxTxK, proj["w"], proj["lora_a"],
                                                                 config.decode_partials_tiles)
     shape = x_BxTxD.shape
@@ -384,12 +384,12 @@ def with_merged_launches(params: dict[str, Any], groups: tuple[str, ...]) -> dic
   """Per-layer `params` (`unstack_layers`) with p["merged"][group] for each of ``groups`` whose projections are
   all NVFP4 (`linear.merged_linears`, ModelConfig.merged_launch_groups).
 
-  The group's weights are not copied: each layer gets `LayerOf(kernels.Nvfp4Group(the members' stacks),
+  The group's weights are not copied: each layer gets `LayerOf(qerl_kernels.Nvfp4Group(the members' stacks),
   layer)`, which one kernel launch reads member by member in place, each with its own global scale; its biases
   concatenated, and its adapters' A's concatenated and B's block-diagonal (both padded with zeros to a
   power-of-two rank), small next to the weights.
   """
-  from kernels import Nvfp4Group  # pylint: disable=import-outside-toplevel
+  from qerl_kernels import Nvfp4Group  # pylint: disable=import-outside-toplevel
   layers = params["layers"]
   if not isinstance(layers, (list, tuple)):
     raise ValueError("with_merged_launches takes per-layer params (unstack_layers)")

@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.decode_qkv import padded_heads
+from qerl_kernels.decode_qkv import padded_heads
 
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
 

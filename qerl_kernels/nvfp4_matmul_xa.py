@@ -16,12 +16,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kernels import config as config_lib
-from kernels.nvfp4_gemv import nvfp4_gemv_xa_pallas, nvfp4_gemv_xa_partials, xa_rank_supported
+from qerl_kernels import config as config_lib
+from qerl_kernels.nvfp4_gemv import nvfp4_gemv_xa_pallas, nvfp4_gemv_xa_partials, xa_rank_supported
 from qerl_jax.quant.types import NVFP4Tensor
 
 # The module, not the package attribute of the same name (the function `kernels.nvfp4_matmul`).
-mm = importlib.import_module("kernels.nvfp4_matmul")
+mm = importlib.import_module("qerl_kernels.nvfp4_matmul")
 
 
 def nvfp4_matmul_xa(x: jax.Array, q: NVFP4Tensor | mm.Nvfp4Group, a_KxR: jax.Array, *, layer=None,
@@ -121,7 +121,7 @@ def _tile_config(x, q, layer, interpret, fwd_config) -> config_lib.Nvfp4MatmulCo
 
 @functools.partial(jax.jit, static_argnums=(4, 5))
 def _tile_partials(x_MxK, q, layer, a_KxR, cfg, interpret):
-  from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas  # pylint: disable=import-outside-toplevel
+  from qerl_kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas  # pylint: disable=import-outside-toplevel
   parts = nvfp4_matmul_fwd_pallas(x_MxK, *mm.kernel_operands(q), config=cfg, interpret=interpret,
                                   layer=layer if mm.is_stacked(q) else None, sum_splits=False)
   xa_MxR = jnp.einsum("mk,kr->mr", x_MxK.astype(a_KxR.dtype), a_KxR, preferred_element_type=jnp.float32)

@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels.config import GEMV_DECODERS, split_trips
+from qerl_kernels.config import GEMV_DECODERS, split_trips
 
 # The decoded e4m3 value is E2M1 / CODE_DIVISOR.
 CODE_DIVISOR = 64.0

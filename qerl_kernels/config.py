@@ -1,6 +1,6 @@
 """Tile configurations for the NVFP4 matmul kernels: a frozen dataclass, heuristic defaults, tuned data.
 
-Tuned values are data, not literals: ``kernels/tuning/<device kind>.json`` (e.g. ``nvidia_h200.json`` for
+Tuned values are data, not literals: ``qerl_kernels/tuning/<device kind>.json`` (e.g. ``nvidia_h200.json`` for
 jax's device_kind 'NVIDIA H200') holds a list of entries ``{"direction": "fwd"|"bwd", "max_rows": R,
 "config": {...}}``; the first entry of the right direction whose ``max_rows`` covers the row count wins,
 and any field it leaves out comes from the heuristic. Shapes are always re-fitted (``fit``) so that a tuned

@@ -18,10 +18,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels import config as config_lib, nvfp4_epilogue, nvfp4_tile
-from kernels.config import HALVES_DECODERS, Nvfp4MatmulConfig
-from kernels.nvfp4_epilogue import Epilogue
-from kernels.nvfp4_gemv import nvfp4_gemv_pallas
+from qerl_kernels import config as config_lib, nvfp4_epilogue, nvfp4_tile
+from qerl_kernels.config import HALVES_DECODERS, Nvfp4MatmulConfig
+from qerl_kernels.nvfp4_epilogue import Epilogue
+from qerl_kernels.nvfp4_gemv import nvfp4_gemv_pallas
 
 
 def _tile_ids(pid, num_m: int, num_n: int, group_m: int):
@@ -189,7 +189,7 @@ def _mosaic(x_MxK, packed_NxKh, scale_NxKb, global_scale, cfg, interpret, layer,
   """The Mosaic GPU kernel (engine "mosaic", experimental): one 2-D bf16 weight; the epilogue's terms are added
   to its float32 result and rounded once, as the Triton kernels' epilogue does. Stacked weights and other dtypes
   take the heuristic config instead (the kernel reads no layer index)."""
-  from kernels import nvfp4_mgpu  # pylint: disable=import-outside-toplevel
+  from qerl_kernels import nvfp4_mgpu  # pylint: disable=import-outside-toplevel
   m, k = x_MxK.shape
   n = packed_NxKh.shape[-2]
   if packed_NxKh.ndim != 2 or x_MxK.dtype != jnp.bfloat16:

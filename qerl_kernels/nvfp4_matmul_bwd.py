@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels import nvfp4_tile
-from kernels.config import HALVES_DECODERS, Nvfp4MatmulConfig
-from kernels.nvfp4_matmul_fwd import _tile_ids, logical_order
+from qerl_kernels import nvfp4_tile
+from qerl_kernels.config import HALVES_DECODERS, Nvfp4MatmulConfig
+from qerl_kernels.nvfp4_matmul_fwd import _tile_ids, logical_order
 
 
 def nvfp4_matmul_bwd_kernel(dy_ref, layer_ref, packed_ref, scale_ref, gs_ref, o_ref, *, block_m: int, block_n: int,

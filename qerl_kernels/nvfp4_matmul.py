@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from kernels import config as config_lib, nvfp4_epilogue
-from kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
-from kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
+from qerl_kernels import config as config_lib, nvfp4_epilogue
+from qerl_kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
+from qerl_kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
 from qerl_jax import quant
 from qerl_jax.quant.types import NVFP4_BLOCK, NVFP4Tensor
 from qerl_jax.sharding import BATCH
@@ -268,7 +268,7 @@ def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor | Nvfp4Group, *, layer=None, bias:
       (the kernels on a supported GPU below the device's measured ``xla_min_rows``, else XLA).
     bias: optional [N], added in the kernels' epilogue.
     lora: optional (xa [..., r] = x @ A, B [r, N], scale): scale * xa @ B is added in the epilogue, in
-      float32, so the output is rounded once (``kernels/nvfp4_epilogue.py``). Differentiable in xa and B.
+      float32, so the output is rounded once (``qerl_kernels/nvfp4_epilogue.py``). Differentiable in xa and B.
     interpret: run the Pallas kernels in interpret mode (any backend, for tests).
     fwd_config / bwd_config: tile configs; None picks the tuned or heuristic one for the shape.
   Returns:

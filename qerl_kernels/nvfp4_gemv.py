@@ -21,7 +21,7 @@ split of the K blocks; it keeps a [block_n, block_k / 16] float32 accumulator pe
 NVFP4 block, multiplied by that block's scale) and reduces it once at the end.
 
 ``nvfp4_gemv_xa_pallas`` runs the same kernel with extra programs that compute a LoRA adapter's x @ A while
-the others stream the weight (``kernels/nvfp4_matmul_xa.py`` is its public, differentiable entry).
+the others stream the weight (``qerl_kernels/nvfp4_matmul_xa.py`` is its public, differentiable entry).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels import nvfp4_epilogue, nvfp4_tile
-from kernels.config import GEMV_MAX_ROWS, Nvfp4MatmulConfig
-from kernels.nvfp4_epilogue import Epilogue
+from qerl_kernels import nvfp4_epilogue, nvfp4_tile
+from qerl_kernels.config import GEMV_MAX_ROWS, Nvfp4MatmulConfig
+from qerl_kernels.nvfp4_epilogue import Epilogue
 
 
 def gemv_x_layout(x_MxK: jax.Array, dtype=jnp.float32) -> jax.Array:
