@@ -67,6 +67,7 @@ ROWS = (1, 8, 16, 64, 256, 2048, 8192)
 LAUNCHES = ("q", "kv", "o", "gate", "down")
 _L2_BYTES_x4 = 200 * 2**20  # rotate weight copies until this many bytes are in play (L2 is ~50-60 MB)
 _INTERPRET = False  # --interpret: Pallas interpret mode, a CPU smoke test (one weight copy, one timing rep)
+_L2_WARM = False  # --l2-warm: one weight copy, so every call after the first finds it in L2 (what a prefetch buys)
 _TRACE = False  # --trace: each timed op also runs once as its own program, whose kernels a trace sums
 
 # Tile candidates per direction and row bucket, for --sweep.
@@ -260,8 +261,10 @@ def _rel_err(direction, out, a, w) -> float:
 
 def _case(direction, k, n, rows, key, dtype):
   """Weight copies to rotate through (more bytes than L2 holds) and the activations of one case."""
-  copies = 1 if _INTERPRET else int(np.clip(math.ceil(_L2_BYTES_x4 / _weight_bytes(k, n)), 2, 16))
+  copies = 1 if _INTERPRET or _L2_WARM else int(np.clip(math.ceil(_L2_BYTES_x4 / _weight_bytes(k, n)), 2, 16))
   ws = _random_weights(key, k, n, copies)
+  if _L2_WARM:  # the one copy 16 times over, so the loop's own kernels weigh per call as they do rotated
+    ws = ws * 16
   in_dim = k if direction == "fwd" else n
   a = jax.random.normal(jax.random.fold_in(key, 99), (rows, in_dim), jnp.float32).astype(dtype)
   return ws, a
@@ -313,9 +316,9 @@ def bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw, dtype=jnp.bfloat1
   timed = _time_loop(_kernel_op(direction, cfg), a, ws)
   bkey = (direction, k, n, rows)
   if bkey not in bf16_cache:
-    bcopies = 1 if _INTERPRET else int(np.clip(math.ceil(_L2_BYTES_x4 / (2 * k * n)), 2, 16))
+    bcopies = 1 if _INTERPRET or _L2_WARM else int(np.clip(math.ceil(_L2_BYTES_x4 / (2 * k * n)), 2, 16))
     wb = [jax.random.normal(jax.random.fold_in(key, 1000 + c), (k, n), jnp.float32).astype(dtype)
-          for c in range(bcopies)]
+          for c in range(bcopies)] * (16 if _L2_WARM else 1)
     if direction == "fwd":
       bop = lambda x, w: jnp.dot(x, w)
     else:
@@ -430,6 +433,9 @@ def main(argv=None):
   p.add_argument("--trace", action="store_true",
                  help="also record each op's GPU kernel time per call (device_us) from a profiler trace, and rank "
                       "candidates by it")
+  p.add_argument("--l2-warm", action="store_true",
+                 help="one weight copy instead of a rotation past L2: the time of a call whose weight is already "
+                      "in L2 (the bf16 dot's too, where it fits); records carry l2_warm")
   p.add_argument("--mosaic", action="store_true",
                  help="also time the Mosaic GPU forward kernel (qerl_kernels/nvfp4_mgpu.py) candidates, same shape")
   p.add_argument("--group", action="store_true",
@@ -442,8 +448,8 @@ def main(argv=None):
   layers = layer_names(args.layers, p)
   if args.group and args.sweep:
     p.error("--group times the tuned config; it does not combine with --sweep")
-  global _INTERPRET, _TRACE
-  _INTERPRET, _TRACE = args.interpret, args.trace
+  global _INTERPRET, _TRACE, _L2_WARM
+  _INTERPRET, _TRACE, _L2_WARM = args.interpret, args.trace, args.l2_warm
 
   dev = jax.devices()[0]
   device = dev.device_kind
@@ -470,7 +476,7 @@ def main(argv=None):
               if args.gemv and direction == "fwd" and rows <= config_lib.GEMV_MAX_ROWS:
                 cands += [c for c in GEMV_SETS[args.gemv_set] if not gemv_decoders or c.dequant in gemv_decoders]
             tag = dict(shape=f"qwen2.5-{model}.{layer}", commit=commit, device=device,
-                       copy_tbps=round(bw / 1e12, 3))
+                       copy_tbps=round(bw / 1e12, 3), **({"l2_warm": True} if _L2_WARM else {}))
             widths = group_widths(model, layer) if args.group and direction == "fwd" else ()
             case = _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag, widths)
             for rec in case:

@@ -35,12 +35,16 @@ def ulps_apart(got, want) -> dict:
 
 
 def kernel_checks(rng, interpret: bool, small: bool) -> dict:
+  """On a GPU each kernel runs with the launch fields the model takes from the tuning file in force."""
+  from qerl_kernels import config as config_lib
   from qerl_kernels.decode_qkv import qkv_rows, qkv_rows_reference
   from qerl_kernels.decode_residual_norm import residual_norm, residual_norm_reference
   from qerl_kernels.decode_swiglu import swiglu, swiglu_reference
   bf16, f32 = jnp.bfloat16, jnp.float32
   d, n, (h, kvh, dh) = (64, 96, (4, 2, 16)) if small else (3584, 18944, (28, 4, 128))
-  out = {}
+  kind = None if interpret else jax.devices()[0].device_kind
+  launch = {name: config_lib.decode_kernel_params(name, kind) for name in ("residual_norm", "swiglu", "qkv_rows")}
+  out = {"launch": launch}
   for m in (1, 2):
     args = dict(x_MxD=jnp.asarray(rng.standard_normal((m, d)) * 4, bf16),
                 parts_SxMxD=jnp.asarray(rng.standard_normal((5, m, d)), f32),
@@ -49,14 +53,15 @@ def kernel_checks(rng, interpret: bool, small: bool) -> dict:
                 b_RxD=jnp.asarray(rng.standard_normal((16, d)) * 0.1, bf16), lora_scale=2.0,
                 bias_D=jnp.asarray(rng.standard_normal(d), bf16),
                 noise_D=jnp.asarray(1e-2 * rng.standard_normal(d), f32))
-    got = residual_norm(**args, eps=1e-6, interpret=interpret)
+    got = residual_norm(**args, eps=1e-6, interpret=interpret, **launch["residual_norm"])
     for name, g, w in zip(("x", "h"), got, residual_norm_reference(**args, eps=1e-6)):
       out[f"residual_norm_m{m}_{name}"] = ulps_apart(g, w)
     sargs = dict(parts_Sx_Mx2N=jnp.asarray(rng.standard_normal((2, m, 2 * n)), f32), n=n, dtype=bf16,
                  xa_PxMxR=jnp.asarray(rng.standard_normal((37, m, 32)), f32), lora_scale=2.0,
                  b_gate_RxN=jnp.asarray(rng.standard_normal((16, n)) * 0.1, bf16),
                  b_up_RxN=jnp.asarray(rng.standard_normal((16, n)) * 0.1, bf16))
-    out[f"swiglu_m{m}"] = ulps_apart(swiglu(**sargs, interpret=interpret), swiglu_reference(**sargs))
+    out[f"swiglu_m{m}"] = ulps_apart(swiglu(**sargs, interpret=interpret, **launch["swiglu"]),
+                                     swiglu_reference(**sargs))
     widths = [h * dh, kvh * dh, kvh * dh]
     b = np.zeros((64, sum(widths)))
     starts = np.cumsum([0] + widths)
@@ -69,7 +74,8 @@ def kernel_checks(rng, interpret: bool, small: bool) -> dict:
                  xa_PxMxR=jnp.asarray(rng.standard_normal((7, m, 64)), f32).at[:, :, 48:].set(0.0),
                  b_RxN=jnp.asarray(b, bf16), rank=16, lora_scale=2.0,
                  bias_N=jnp.asarray(rng.standard_normal(sum(widths)), bf16))
-    out[f"qkv_rows_m{m}"] = ulps_apart(qkv_rows(**qargs, interpret=interpret), qkv_rows_reference(**qargs))
+    out[f"qkv_rows_m{m}"] = ulps_apart(qkv_rows(**qargs, interpret=interpret, **launch["qkv_rows"]),
+                                       qkv_rows_reference(**qargs))
   return out
 
 
@@ -128,13 +134,16 @@ def main(argv=None):
   args = p.parse_args(argv)
   interpret = jax.default_backend() != "gpu"
   rec = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit(),
+             kernel_tuning=os.environ.get("QERL_KERNEL_TUNING", "") or "shipped",
              kernels=kernel_checks(np.random.default_rng(args.seed), interpret, small=interpret),
              model=model_check(args.seed, interpret))
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(rec, f, indent=1)
+  print(f"launch fields: {rec['kernels']['launch']} (tuning: {rec['kernel_tuning']})")
   for name, r in rec["kernels"].items():
-    print(f"{name:24s} max {r['max_ulps']:6.2f} ulps, {100 * r['frac_differ']:6.3f}% differ")
+    if name != "launch":
+      print(f"{name:24s} max {r['max_ulps']:6.2f} ulps, {100 * r['frac_differ']:6.3f}% differ")
   print(f"model: logits {rec['model']['max_abs_over_max_logit']:.2e} of the largest apart, same argmax "
         f"{rec['model']['same_argmax']}, traced {rec['model']['kernels_traced']}")
 

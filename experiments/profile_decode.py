@@ -15,6 +15,7 @@ import argparse
 import collections
 import glob
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -130,6 +131,17 @@ def fused_computation(hlo_text: str, kernel: str, max_lines: int = 24) -> str:
   return "\n".join(out)
 
 
+def output_digest(tree) -> str:
+  """sha256 of every leaf's bytes (the last tokens and the whole KV cache after the traced steps): equal digests
+  across processes that differ only in an XLA flag say the flag changed no value (a launch race would)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  h = hashlib.sha256()
+  for leaf in jax.tree.leaves(tree):
+    h.update(np.asarray(leaf).tobytes())
+  return h.hexdigest()[:16]
+
+
 def decode_program(sampling):
   """The rollout's decode body (engine.rollout), `steps_arr.shape[0]` times, on the model's decode_layers."""
   import functools
@@ -221,7 +233,7 @@ def run(args):
         ms_step = statistics.median(times) / args.steps * 1e3
         with tempfile.TemporaryDirectory() as d:
           with quiet_trace(d):
-            jax.block_until_ready(go(99))
+            out = jax.block_until_ready(go(99))
           totals, busy, span, details = kernel_totals(d)
         kernel_ms = sum(totals.values()) / 1e3 / args.steps
         rec = dict(model=args.model, quant=quant, batch=batch, decode_attention=attention, decode_layers=layers,
@@ -234,12 +246,14 @@ def run(args):
                    kernel_details={k: details[k] for k in sorted(totals, key=totals.get, reverse=True)[:60]},
                    busy_us_by_thread=busy, tuning=tuning or "shipped",
                    device=jax.devices()[0].device_kind, commit=commit(),
-                   jax=jax.__version__)
+                   jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                   output_sha=output_digest(out))
         rec["calls_per_step"] = {k: details[k]["calls"] / args.steps for k in rec["kernel_details"]}
         records.append(rec)
         print(f"\n{quant:6s} b{batch:<3d} attn={attention:6s} layers={layers:8s} lora={epilogue:5s} "
               f"merged={rec['rollout_merged_launches'] or 'none'} tuning={rec['tuning']} "
-              f"{ms_step:7.2f} ms/step wall, kernels {kernel_ms:6.2f} ms/step, span {rec['span_ms_per_step']:6.2f}",
+              f"{ms_step:7.2f} ms/step wall, kernels {kernel_ms:6.2f} ms/step, span {rec['span_ms_per_step']:6.2f} "
+              f"output {rec['output_sha']}",
               flush=True)
         for name, us in list(rec["kernels_us_per_step"].items())[:args.top]:
           print(f"   {us:9.1f} us  {100 * us / 1e3 / max(kernel_ms, 1e-9):5.1f}%  "

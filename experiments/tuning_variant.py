@@ -4,6 +4,7 @@
       --out /tmp/e4m3.json
   QERL_KERNEL_TUNING=/tmp/e4m3.json python3 experiments/profile_decode.py --quants nvfp4 --batches 1 ...
   python3 -m experiments.tuning_variant --entry fwd:1 --shapes 18944x3584 --set block_n=64 num_warps=8 --out ...
+  python3 -m experiments.tuning_variant --entry decode:swiglu --set block_n=128 num_warps=2 --out ...
 
 The way to try a tuning in the model (profile_decode, bench_rollout) against the unchanged file in the same
 GPU call, without editing ``qerl_kernels/tuning``. Values are parsed as JSON where they parse (8, true, 0.5), else
@@ -39,6 +40,17 @@ def variant(tuning: dict, direction: str, max_rows: int, changes: dict, shapes: 
   return out
 
 
+def decode_variant(tuning: dict, kernel: str, changes: dict) -> dict:
+  """``tuning`` with the launch fields of decode kernel ``kernel`` (kernels.config.DECODE_KERNELS) changed."""
+  out = json.loads(json.dumps(tuning))
+  if kernel not in config_lib.DECODE_KERNELS:
+    raise ValueError(f"unknown decode kernel {kernel!r} (known: {sorted(config_lib.DECODE_KERNELS)})")
+  table = out.setdefault("decode_kernels", {})
+  table[kernel] = {**table.get(kernel, {}), **changes}
+  config_lib._check_decode_kernels("variant", table)  # pylint: disable=protected-access
+  return out
+
+
 def parse_shape(text: str) -> list[int]:
   """ "18944x3584" -> [18944, 3584] (K x N, as bench_kernels names a weight)."""
   try:
@@ -58,7 +70,9 @@ def _value(text: str):
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--device", default="NVIDIA H200", help="the device kind whose tuning file to start from")
-  p.add_argument("--entry", required=True, help="direction:max_rows of the entry to change, e.g. fwd:2")
+  p.add_argument("--entry", required=True,
+                 help="direction:max_rows of the entry to change, e.g. fwd:2, or decode:KERNEL for a decode kernel's "
+                      "launch fields, e.g. decode:swiglu")
   p.add_argument("--set", nargs="+", required=True, metavar="FIELD=VALUE")
   p.add_argument("--shapes", nargs="+", type=parse_shape, metavar="KxN",
                  help="change a copy of the entry that applies to these weight shapes only (put before it)")
@@ -67,7 +81,12 @@ def main(argv=None) -> int:
   direction, max_rows = args.entry.split(":")
   changes = {k: _value(v) for k, v in (item.split("=", 1) for item in args.set)}
   tuning = config_lib._read_json(config_lib._device_file(args.device))  # pylint: disable=protected-access
-  out = variant(tuning, direction, int(max_rows), changes, args.shapes)
+  if direction == "decode":  # decode:swiglu etc.: a decode kernel's launch fields, not a matmul entry
+    if args.shapes:
+      p.error("--shapes applies to matmul entries (fwd:R, bwd:R), not to decode kernels")
+    out = decode_variant(tuning, max_rows, changes)
+  else:
+    out = variant(tuning, direction, int(max_rows), changes, args.shapes)
   with open(args.out, "w") as f:
     json.dump(out, f, indent=1)
   config_lib._read_json(args.out)  # pylint: disable=protected-access  # loads as the kernels would

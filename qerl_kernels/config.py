@@ -241,6 +241,39 @@ def split_trips(steps: int, split: int) -> tuple[int, int]:
   return per, -(-steps // per)
 
 
+# The decode step's small kernels (qerl_kernels/decode_*.py) and the launch fields a tuning file may set for each,
+# with the values they take where it sets none. Each is a few microseconds of latency per call at batch 1-2, so
+# programs and warps per program are what moves them; the file's "decode_kernels" object holds the tuned values.
+DECODE_KERNELS = {
+    "residual_norm": {"block_d": 256, "num_warps": 4},  # decode_residual_norm: columns per program, both launches
+    "swiglu": {"block_n": 512, "num_warps": 4},  # decode_swiglu: columns per program
+    "qkv_rows": {"num_warps": 1},  # decode_qkv: one program per output head row
+    "attention": {"block_s": 64, "num_warps": 4},  # decode_attention: cache slots per block
+}
+
+
+def _check_decode_kernels(where: str, table) -> None:
+  if not isinstance(table, dict):
+    raise ValueError(f"{where}: \"decode_kernels\" must be an object of kernel name -> fields, got {table!r}")
+  for name, fields in table.items():
+    if name not in DECODE_KERNELS:
+      raise ValueError(f"{where}: unknown decode kernel {name!r} (known: {sorted(DECODE_KERNELS)})")
+    if not isinstance(fields, dict) or set(fields) - set(DECODE_KERNELS[name]):
+      raise ValueError(f"{where}: decode kernel {name!r} takes fields {sorted(DECODE_KERNELS[name])}, got {fields!r}")
+    for field, v in fields.items():
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
+        raise ValueError(f"{where}: decode kernel {name!r} field {field!r} must be a power of two, got {v!r}")
+
+
+def decode_kernel_params(name: str, device_kind: str | None) -> dict:
+  """Launch fields of the decode kernel ``name`` (a key of DECODE_KERNELS): the device's tuning file's
+  "decode_kernels" over the defaults; the defaults alone without a device kind (interpret mode)."""
+  if name not in DECODE_KERNELS:
+    raise ValueError(f"unknown decode kernel {name!r} (known: {sorted(DECODE_KERNELS)})")
+  tuned = _tuning_file(device_kind).get("decode_kernels", {}).get(name, {}) if device_kind else {}
+  return {**DECODE_KERNELS[name], **tuned}
+
+
 def _device_file(device_kind: str) -> str:
   name = "".join(c if c.isalnum() else "_" for c in device_kind.lower()).strip("_")
   return os.path.join(_TUNING_DIR, f"{name}.json")
@@ -271,6 +304,8 @@ def _read_json_version(path: str, mtime_ns: int) -> dict:
       data = json.load(f)
     except json.JSONDecodeError as e:
       raise ValueError(f"tuning file {path}: not JSON ({e})") from None
+  if "decode_kernels" in data:
+    _check_decode_kernels(f"tuning file {path}", data["decode_kernels"])
   fields = {f.name for f in dataclasses.fields(Nvfp4MatmulConfig)}
   for i, e in enumerate(data.get("entries", ())):
     where = f"tuning file {path}, entry {i}"

@@ -453,6 +453,9 @@ def test_check_decode_kernels_finds_the_kernels_equal_to_their_references(tmp_pa
                   "--out", str(out)], check=True, cwd=ROOT, env=dict(os.environ, QERL_COMMIT="test"),
                  capture_output=True, text=True)
   rec = json.loads(out.read_text())
+  from qerl_kernels import config as config_lib
+  launch = rec["kernels"].pop("launch")  # interpret mode: the kernels' defaults, whatever the tuning file says
+  assert launch == {name: config_lib.DECODE_KERNELS[name] for name in ("residual_norm", "swiglu", "qkv_rows")}
   assert {name: r["max_ulps"] for name, r in rec["kernels"].items()} == {
     f"{kernel}_m{m}{part}": 0.0 for m in (1, 2)
     for kernel, parts in (("residual_norm", ("_x", "_h")), ("swiglu", ("",)), ("qkv_rows", ("",))) for part in parts}
@@ -483,3 +486,61 @@ def test_profile_decode_defaults_to_the_lora_path_rollouts_run():
   defaults = {f.name: f.default for f in dc.fields(ModelConfig)}
   assert args.lora_epilogue == [profile_decode.lora_label(
       {"fused_lora": defaults["fused_lora"], "gemv_lora_xa": defaults["gemv_lora_xa"]})] == ["fused+gemv-xa"]
+
+
+def test_tuning_variant_sets_a_decode_kernels_launch_fields(tmp_path, monkeypatch):
+  # decode:KERNEL changes that kernel's fields in the file's "decode_kernels" and nothing else; the model reads them
+  # through kernels.config.decode_kernel_params (defaults for a kernel or a device the file does not tune).
+  from experiments import tuning_variant
+  from qerl_kernels import config as config_lib
+  out = tmp_path / "v.json"
+  assert tuning_variant.main(["--entry", "decode:qkv_rows", "--set", "num_warps=4", "--out", str(out)]) == 0
+  base, got = json.load(open(config_lib._device_file("NVIDIA H200"))), json.load(open(out))
+  assert got["entries"] == base["entries"]
+  assert got["decode_kernels"] == {**base.get("decode_kernels", {}), "qkv_rows": {"num_warps": 4}}
+  monkeypatch.setenv("QERL_KERNEL_TUNING", str(out))
+  assert config_lib.decode_kernel_params("qkv_rows", "NVIDIA H200") == {"num_warps": 4}
+  assert config_lib.decode_kernel_params("attention", "NVIDIA H200") == config_lib.DECODE_KERNELS["attention"]
+  assert config_lib.decode_kernel_params("qkv_rows", None) == config_lib.DECODE_KERNELS["qkv_rows"]
+  with pytest.raises(ValueError, match="unknown decode kernel 'mlp'"):
+    config_lib.decode_kernel_params("mlp", "NVIDIA H200")
+  with pytest.raises(ValueError, match="field 'block_n' must be a power of two, got 100"):
+    tuning_variant.decode_variant(base, "swiglu", {"block_n": 100})
+  with pytest.raises(ValueError, match=r"decode kernel 'swiglu' takes fields \['block_n', 'num_warps'\]"):
+    tuning_variant.decode_variant(base, "swiglu", {"block_d": 128})
+  with pytest.raises(SystemExit):  # --shapes is for matmul entries
+    tuning_variant.main(["--entry", "decode:swiglu", "--shapes", "3584x3584", "--set", "block_n=64",
+                         "--out", str(out)])
+  bad = tmp_path / "bad.json"  # a hand-written file is checked when it is read, naming itself
+  bad.write_text(json.dumps({"entries": [], "decode_kernels": {"swiglu": {"block_n": True}}}))
+  monkeypatch.setenv("QERL_KERNEL_TUNING", str(bad))
+  with pytest.raises(ValueError, match="bad.json.*'block_n' must be a power of two, got True"):
+    config_lib.decode_kernel_params("swiglu", "NVIDIA H200")
+
+
+def test_bench_kernels_l2_warm_reuses_one_weight_and_rotated_runs_do_not(monkeypatch):
+  # --l2-warm: the timed loop calls the op on one weight copy 16 times over (its bytes stay in L2 between calls);
+  # without it the copies are distinct arrays, more bytes than L2 holds.
+  import jax
+  import jax.numpy as jnp
+  from experiments import bench_kernels
+  monkeypatch.setattr(bench_kernels, "_INTERPRET", False)
+  monkeypatch.setattr(bench_kernels, "_L2_WARM", True)
+  ws, a = bench_kernels._case("fwd", 64, 128, 1, jax.random.key(0), jnp.bfloat16)
+  assert len(ws) == 16 and all(w is ws[0] for w in ws) and a.shape == (1, 64)
+  monkeypatch.setattr(bench_kernels, "_L2_WARM", False)
+  ws, _ = bench_kernels._case("fwd", 64, 128, 1, jax.random.key(0), jnp.bfloat16)
+  assert len(ws) == 16 and len({id(w[0]) for w in ws}) == 16
+  assert not bool(jnp.array_equal(ws[0][0], ws[1][0]))
+
+
+def test_profile_decode_output_digest_tells_values_apart():
+  # The digest that says an XLA flag left a decode's values alone: equal trees hash equal, one changed bit does not.
+  import jax.numpy as jnp
+  import numpy as np
+  from experiments import profile_decode
+  tree = (jnp.arange(5, dtype=jnp.int32), [jnp.ones((2, 3), jnp.bfloat16), jnp.zeros((4,), jnp.float32)])
+  same = (np.arange(5, dtype=np.int32), [jnp.ones((2, 3), jnp.bfloat16), jnp.zeros((4,), jnp.float32)])
+  assert profile_decode.output_digest(tree) == profile_decode.output_digest(same)
+  flipped = (tree[0], [tree[1][0], tree[1][1].at[3].set(jnp.float32(1e-45))])
+  assert profile_decode.output_digest(flipped) != profile_decode.output_digest(tree)

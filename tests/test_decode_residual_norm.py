@@ -6,17 +6,20 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from qerl_kernels import config as config_lib
 from qerl_kernels.decode_residual_norm import residual_norm, residual_norm_reference
 from qerl_jax.model.testing import fresh_seed
 from tests.triton_lowering import lower_for_cuda
 
 # (M, D, S, parts dtype, rank, P, bias, noise, block_d): one row at 7B's width (14 blocks of 256), two rows with
 # every term in 3 blocks, a finished bf16 output (S = 1) in one block, no adapter and a ragged last block.
+_H200 = config_lib.decode_kernel_params("residual_norm", "NVIDIA H200")  # the launch fields the GPU model takes
 CASES = [
   (1, 3584, 5, jnp.float32, 16, 7, False, False, 256),
   (2, 96, 3, jnp.float32, 8, 2, True, True, 32),
   (1, 64, 1, jnp.bfloat16, 4, 1, False, True, 256),
   (3, 160, 4, jnp.float32, 0, 0, True, False, 64),
+  (1, 3584, 5, jnp.float32, 16, 7, True, True, _H200["block_d"]),  # 7B's width at the H200 tuning's block
 ]
 
 

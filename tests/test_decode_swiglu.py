@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from qerl_kernels import config as config_lib
 from qerl_kernels.decode_swiglu import swiglu, swiglu_reference
 from qerl_jax.model.testing import fresh_seed
 from tests.test_decode_residual_norm import _ulps_apart
@@ -13,11 +14,13 @@ from tests.triton_lowering import lower_for_cuda
 
 # (M, N, S, parts dtype, rank, R, P, bias, block_n): a 7B-like N that no block divides (18944 = 37 x 512) with
 # padded x @ A columns (R > 2r), two rows with biases and a small block, a finished bf16 output, no adapter.
+_H200 = config_lib.decode_kernel_params("swiglu", "NVIDIA H200")  # the launch fields the GPU model takes
 CASES = [
   (1, 18944, 5, jnp.float32, 16, 32, 37, False, 512),
   (2, 200, 3, jnp.float32, 8, 32, 2, True, 64),
   (1, 96, 1, jnp.bfloat16, 4, 8, 1, False, 512),
   (3, 160, 4, jnp.float32, 0, 0, 0, True, 128),
+  (1, 18944, 5, jnp.float32, 16, 32, 37, True, _H200["block_n"]),  # 7B at the H200 tuning's block
 ]
 
 
