@@ -87,7 +87,7 @@ def model_check(seed: int, interpret: bool) -> dict:
   from qerl_jax.model.transformer import forward, unstack_layers, with_merged_launches
   if interpret:  # the gemv launches' interpret mode, as the tests run them
     import functools
-    for name in ("nvfp4_matmul_xa", "xa_shares_launch", "nvfp4_matmul_xa_partials"):
+    for name in ("nvfp4_matmul_xa", "xa_shares_launch", "nvfp4_matmul_xa_partials", "partials_launch_applies"):
       setattr(kernels, name, functools.partial(getattr(kernels, name), interpret=True))
   config = ModelConfig(arch="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000.0, dtype="bfloat16",

@@ -425,7 +425,8 @@ def _prefill_then_decode(params, cfg, lora_scale, tokens, valid, noise, per_laye
   return out
 
 
-@pytest.mark.parametrize("loop", ["scan", "per_layer", "per_layer_qkv"])
+# The stacked scan (not the rollout's default loop) is a slow case: ~21 s of CI's budget on two cores.
+@pytest.mark.parametrize("loop", [pytest.param("scan", marks=pytest.mark.slow), "per_layer", "per_layer_qkv"])
 def test_decode_partials_to_pallas_give_the_xla_decode_logits(monkeypatch, loop):
   # config.decode_partials="pallas": at a cached decode step o_proj's and down_proj's gemvs hand their partial
   # sums to one kernel each that adds them, the adapter and the residual, then applies the next norm
@@ -478,6 +479,7 @@ def test_decode_partials_to_pallas_give_the_xla_decode_logits(monkeypatch, loop)
   assert not any(f"decode_{name}" in results["xla-jaxpr"] for name in names)
 
 
+@pytest.mark.slow  # ~31 s on two cores, for a path that is off by default (config.decode_partials_tiles)
 def test_decode_partials_tiles_give_the_same_decode_logits_at_tile_rows(monkeypatch):
   # config.decode_partials_tiles: at four rows (the tile kernels' rows, past the gemv's two) the q|k|v, o_proj,
   # gate|up and down_proj tile launches hand their split-K partials, and XLA's x @ A as one partial, to the
