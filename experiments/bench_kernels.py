@@ -209,17 +209,25 @@ def _time_loop(op, x, ws, min_ms: float = 5.0, reps: int = 5) -> Timing:
   return Timing(us, f"jit_{name}", passes * len(ws), lambda: jax.block_until_ready(compiled(x, ws, passes, zero)))
 
 
-def _random_weights(key, k, n, copies):
-  """copies of (packed uint8 [N, K/2], scale e4m3 [N, K/16], global_scale f32 [1]), all bytes random."""
-  out = []
-  for c in range(copies):
-    k1, k2, k3 = jax.random.split(jax.random.fold_in(key, c), 3)
-    packed = jax.random.randint(k1, (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
-    scale = jnp.exp2(jax.random.uniform(k2, (n, k // 16), minval=-9.0, maxval=8.7)).astype(
-        jnp.float8_e4m3fn)
-    gs = jax.random.uniform(k3, (1,), minval=100.0, maxval=3000.0)
-    out.append((packed, scale, gs))
-  return out
+def _random_weight(key, k, n, c):
+  """Copy c of (packed uint8 [N, K/2], scale e4m3 [N, K/16], global_scale f32 [1]), all bytes random."""
+  k1, k2, k3 = jax.random.split(jax.random.fold_in(key, c), 3)
+  packed = jax.random.randint(k1, (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+  scale = jnp.exp2(jax.random.uniform(k2, (n, k // 16), minval=-9.0, maxval=8.7)).astype(
+      jnp.float8_e4m3fn)
+  gs = jax.random.uniform(k3, (1,), minval=100.0, maxval=3000.0)
+  return packed, scale, gs
+
+
+def _rotation(make, nbytes: int) -> list:
+  """The weight copies a timed loop calls its op on, ``make(c)`` for copy c of ``nbytes`` bytes: 2-16 distinct
+  ones, more bytes than L2 holds; with --l2-warm one copy 16 times over (every call after the first finds it in
+  L2, and the loop's own kernels weigh per call as they do rotated); one in interpret mode."""
+  if _INTERPRET:
+    return [make(0)]
+  if _L2_WARM:
+    return [make(0)] * 16
+  return [make(c) for c in range(int(np.clip(math.ceil(_L2_BYTES_x4 / nbytes), 2, 16)))]
 
 
 @jax.jit
@@ -260,11 +268,8 @@ def _rel_err(direction, out, a, w) -> float:
 
 
 def _case(direction, k, n, rows, key, dtype):
-  """Weight copies to rotate through (more bytes than L2 holds) and the activations of one case."""
-  copies = 1 if _INTERPRET or _L2_WARM else int(np.clip(math.ceil(_L2_BYTES_x4 / _weight_bytes(k, n)), 2, 16))
-  ws = _random_weights(key, k, n, copies)
-  if _L2_WARM:  # the one copy 16 times over, so the loop's own kernels weigh per call as they do rotated
-    ws = ws * 16
+  """The weight copies of one case (``_rotation``) and its activations."""
+  ws = _rotation(lambda c: _random_weight(key, k, n, c), _weight_bytes(k, n))
   in_dim = k if direction == "fwd" else n
   a = jax.random.normal(jax.random.fold_in(key, 99), (rows, in_dim), jnp.float32).astype(dtype)
   return ws, a
@@ -301,7 +306,7 @@ def add_device_us(records: list, module_us: dict[str, float], bw: float,
 def bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw, dtype=jnp.bfloat16, widths=()):
   """Checks and times one kernel config and (cached per shape) the bf16 dot; returns a record. widths: the
   forward over the same weight as a group of members of these widths, each its own array, in one launch
-  (``kernels.Nvfp4Group``, the model's merged launches)."""
+  (``qerl_kernels.Nvfp4Group``, the model's merged launches)."""
   ws, a = _case(direction, k, n, rows, key, dtype)
   reference = ws[0]
   if widths:
@@ -316,9 +321,8 @@ def bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw, dtype=jnp.bfloat1
   timed = _time_loop(_kernel_op(direction, cfg), a, ws)
   bkey = (direction, k, n, rows)
   if bkey not in bf16_cache:
-    bcopies = 1 if _INTERPRET or _L2_WARM else int(np.clip(math.ceil(_L2_BYTES_x4 / (2 * k * n)), 2, 16))
-    wb = [jax.random.normal(jax.random.fold_in(key, 1000 + c), (k, n), jnp.float32).astype(dtype)
-          for c in range(bcopies)] * (16 if _L2_WARM else 1)
+    wb = _rotation(lambda c: jax.random.normal(jax.random.fold_in(key, 1000 + c), (k, n), jnp.float32).astype(dtype),
+                   2 * k * n)
     if direction == "fwd":
       bop = lambda x, w: jnp.dot(x, w)
     else:
@@ -440,7 +444,8 @@ def main(argv=None):
                  help="also time the Mosaic GPU forward kernel (qerl_kernels/nvfp4_mgpu.py) candidates, same shape")
   p.add_argument("--group", action="store_true",
                  help="forward, qkv and gate_up: also time the tuned config over the layer's projections as one "
-                      "group launch (qerl_kernels.Nvfp4Group: q, k, v or gate, up read in place; implementation 'group')")
+                      "group launch (qerl_kernels.Nvfp4Group: q, k, v or gate, up read in place; implementation "
+                      "'group')")
   p.add_argument("--decoders", default="",
                  help="comma-separated tile decoders to time on each tuned config, or with --sweep on each "
                       "candidate (e.g. jnp,halves,asm)")

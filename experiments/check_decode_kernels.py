@@ -5,7 +5,10 @@
 1. Each kernel against its jnp reference at Qwen2.5-7B's decode shapes, one and two rows: decode_residual_norm
    (o_proj / down_proj's end), decode_swiglu (gate|up's) and decode_qkv (q|k|v's, with RoPE at each row's own
    position). It records the largest distance in bf16 ulps and the fraction of outputs that differ.
-2. A small random NVFP4 Qwen2-style model, per-layer loop with q|k|v and gate|up merged as rollouts run it:
+2. decode_attention at 7B's heads over a 1280-slot cache, 776 slots visible (mid-rollout), at 1, 8 and 64 rows,
+   with the tuned splits and with one 64-slot block per split, against the model's XLA attention in float32:
+   the largest error over the largest output (splits change the order of the softmax's sums, so not bit-equal).
+3. A small random NVFP4 Qwen2-style model, per-layer loop with q|k|v and gate|up merged as rollouts run it:
    logits of a prefill and decode steps with config.decode_partials "xla" against "pallas" (the Pallas decode
    attention in both), and how many of each kernel the decode step traced.
 """
@@ -35,16 +38,12 @@ def ulps_apart(got, want) -> dict:
 
 
 def kernel_checks(rng, interpret: bool, small: bool) -> dict:
-  """On a GPU each kernel runs with the launch fields the model takes from the tuning file in force."""
-  from qerl_kernels import config as config_lib
   from qerl_kernels.decode_qkv import qkv_rows, qkv_rows_reference
   from qerl_kernels.decode_residual_norm import residual_norm, residual_norm_reference
   from qerl_kernels.decode_swiglu import swiglu, swiglu_reference
   bf16, f32 = jnp.bfloat16, jnp.float32
   d, n, (h, kvh, dh) = (64, 96, (4, 2, 16)) if small else (3584, 18944, (28, 4, 128))
-  kind = None if interpret else jax.devices()[0].device_kind
-  launch = {name: config_lib.decode_kernel_params(name, kind) for name in ("residual_norm", "swiglu", "qkv_rows")}
-  out = {"launch": launch}
+  out = {}
   for m in (1, 2):
     args = dict(x_MxD=jnp.asarray(rng.standard_normal((m, d)) * 4, bf16),
                 parts_SxMxD=jnp.asarray(rng.standard_normal((5, m, d)), f32),
@@ -53,15 +52,14 @@ def kernel_checks(rng, interpret: bool, small: bool) -> dict:
                 b_RxD=jnp.asarray(rng.standard_normal((16, d)) * 0.1, bf16), lora_scale=2.0,
                 bias_D=jnp.asarray(rng.standard_normal(d), bf16),
                 noise_D=jnp.asarray(1e-2 * rng.standard_normal(d), f32))
-    got = residual_norm(**args, eps=1e-6, interpret=interpret, **launch["residual_norm"])
+    got = residual_norm(**args, eps=1e-6, interpret=interpret)
     for name, g, w in zip(("x", "h"), got, residual_norm_reference(**args, eps=1e-6)):
       out[f"residual_norm_m{m}_{name}"] = ulps_apart(g, w)
     sargs = dict(parts_Sx_Mx2N=jnp.asarray(rng.standard_normal((2, m, 2 * n)), f32), n=n, dtype=bf16,
                  xa_PxMxR=jnp.asarray(rng.standard_normal((37, m, 32)), f32), lora_scale=2.0,
                  b_gate_RxN=jnp.asarray(rng.standard_normal((16, n)) * 0.1, bf16),
                  b_up_RxN=jnp.asarray(rng.standard_normal((16, n)) * 0.1, bf16))
-    out[f"swiglu_m{m}"] = ulps_apart(swiglu(**sargs, interpret=interpret, **launch["swiglu"]),
-                                     swiglu_reference(**sargs))
+    out[f"swiglu_m{m}"] = ulps_apart(swiglu(**sargs, interpret=interpret), swiglu_reference(**sargs))
     widths = [h * dh, kvh * dh, kvh * dh]
     b = np.zeros((64, sum(widths)))
     starts = np.cumsum([0] + widths)
@@ -74,8 +72,26 @@ def kernel_checks(rng, interpret: bool, small: bool) -> dict:
                  xa_PxMxR=jnp.asarray(rng.standard_normal((7, m, 64)), f32).at[:, :, 48:].set(0.0),
                  b_RxN=jnp.asarray(b, bf16), rank=16, lora_scale=2.0,
                  bias_N=jnp.asarray(rng.standard_normal(sum(widths)), bf16))
-    out[f"qkv_rows_m{m}"] = ulps_apart(qkv_rows(**qargs, interpret=interpret, **launch["qkv_rows"]),
-                                       qkv_rows_reference(**qargs))
+    out[f"qkv_rows_m{m}"] = ulps_apart(qkv_rows(**qargs, interpret=interpret), qkv_rows_reference(**qargs))
+  return out
+
+
+def attention_checks(rng, interpret: bool, small: bool) -> dict:
+  from qerl_kernels.decode_attention import decode_attention
+  from qerl_jax.model import attention as attn
+  h, kvh, dh, cache_len, visible = (4, 2, 16, 96, 57) if small else (28, 4, 128, 1280, 776)
+  out = {}
+  for b in ((1, 3) if small else (1, 8, 64)):
+    q = jnp.asarray(rng.standard_normal((b, h, dh)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((1, b, cache_len, kvh, dh)), jnp.bfloat16) for _ in range(2))
+    mask = jnp.asarray(np.arange(cache_len)[None, :] < visible).repeat(b, 0)
+    f32 = lambda a: a.astype(jnp.float32)
+    want = np.asarray(attn.attend(f32(q)[:, None], f32(k[0]), f32(v[0]), mask[:, None, :])[:, 0], np.float64)
+    for label, splits in (("tuned", None), ("block_per_split", cache_len // 16 if small else cache_len // 64)):
+      got = decode_attention(q, k, v, 0, mask, num_visible=jnp.int32(visible), splits=splits,
+                             block_s=16 if small else None, interpret=interpret)
+      err = np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
+      out[f"attention_b{b}_{label}"] = dict(max_err_over_max=float(err), finite=bool(np.isfinite(err)))
   return out
 
 
@@ -132,18 +148,24 @@ def main(argv=None):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", required=True)
   args = p.parse_args(argv)
+  from qerl_kernels import config as config_lib
   interpret = jax.default_backend() != "gpu"
   rec = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit(),
              kernel_tuning=os.environ.get("QERL_KERNEL_TUNING", "") or "shipped",
+             # what the kernels below ran with (each takes its tuned launch fields itself)
+             launch={name: config_lib.decode_launch(name, interpret)
+                     for name in ("residual_norm", "swiglu", "qkv_rows", "attention")},
              kernels=kernel_checks(np.random.default_rng(args.seed), interpret, small=interpret),
+             attention=attention_checks(np.random.default_rng(args.seed + 1), interpret, small=interpret),
              model=model_check(args.seed, interpret))
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(rec, f, indent=1)
-  print(f"launch fields: {rec['kernels']['launch']} (tuning: {rec['kernel_tuning']})")
+  print(f"launch fields: {rec['launch']} (tuning: {rec['kernel_tuning']})")
   for name, r in rec["kernels"].items():
-    if name != "launch":
-      print(f"{name:24s} max {r['max_ulps']:6.2f} ulps, {100 * r['frac_differ']:6.3f}% differ")
+    print(f"{name:24s} max {r['max_ulps']:6.2f} ulps, {100 * r['frac_differ']:6.3f}% differ")
+  for name, r in rec["attention"].items():
+    print(f"{name:24s} max error {r['max_err_over_max']:.2e} of the largest output")
   print(f"model: logits {rec['model']['max_abs_over_max_logit']:.2e} of the largest apart, same argmax "
         f"{rec['model']['same_argmax']}, traced {rec['model']['kernels_traced']}")
 

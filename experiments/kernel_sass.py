@@ -68,7 +68,7 @@ def triton_ir(direction: str, rows: int, k: int, n: int, cfg: config_lib.Nvfp4Ma
   """The kernel's Triton IR as text Triton's own parser reads (jax's debug print, locations stripped).
   xa_rank: the gemv launch that also computes x @ A for a float32 adapter of this rank. epilogue_rank: the
   forward with the fused epilogue (bias and a bf16 adapter of this rank: ``fused_lora``). group: the forward
-  over a group of weights of these widths (summing to n) in one launch (``kernels.Nvfp4Group``)."""
+  over a group of weights of these widths (summing to n) in one launch (``qerl_kernels.Nvfp4Group``)."""
   from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
 
   widths = group or (n,)

@@ -41,7 +41,7 @@ def variant(tuning: dict, direction: str, max_rows: int, changes: dict, shapes: 
 
 
 def decode_variant(tuning: dict, kernel: str, changes: dict) -> dict:
-  """``tuning`` with the launch fields of decode kernel ``kernel`` (kernels.config.DECODE_KERNELS) changed."""
+  """``tuning`` with the launch fields of decode kernel ``kernel`` (qerl_kernels.config.DECODE_KERNELS) changed."""
   out = json.loads(json.dumps(tuning))
   if kernel not in config_lib.DECODE_KERNELS:
     raise ValueError(f"unknown decode kernel {kernel!r} (known: {sorted(config_lib.DECODE_KERNELS)})")

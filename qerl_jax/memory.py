@@ -130,7 +130,7 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
   micro_batch: completions per update forward/backward. remat: per-layer rematerialization.
   fused_kernel: whether NVFP4 matmuls read the packed weights (default: quant == "nvfp4"); without one the
     XLA path dequantizes one layer's weights at a time. update_len: completion columns the update sees
-    (default max_new_tokens). xla_min_rows: the device's crossover (`kernels.xla_min_rows()`) from which
+    (default max_new_tokens). xla_min_rows: the device's crossover (`qerl_kernels.xla_min_rows()`) from which
     NVFP4 matmuls take the XLA path even with a fused kernel; an update micro-batch or prefill that large
     dequantizes one layer at a time.
   """

@@ -248,7 +248,8 @@ DECODE_KERNELS = {
     "residual_norm": {"block_d": 256, "num_warps": 4},  # decode_residual_norm: columns per program, both launches
     "swiglu": {"block_n": 512, "num_warps": 4},  # decode_swiglu: columns per program
     "qkv_rows": {"num_warps": 1},  # decode_qkv: one program per output head row
-    "attention": {"block_s": 64, "num_warps": 4},  # decode_attention: cache slots per block
+    # decode_attention: cache slots per block; splits of the slots aimed at this many programs per SM
+    "attention": {"block_s": 64, "num_warps": 4, "programs_per_sm": 2},
 }
 
 
@@ -272,6 +273,22 @@ def decode_kernel_params(name: str, device_kind: str | None) -> dict:
     raise ValueError(f"unknown decode kernel {name!r} (known: {sorted(DECODE_KERNELS)})")
   tuned = _tuning_file(device_kind).get("decode_kernels", {}).get(name, {}) if device_kind else {}
   return {**DECODE_KERNELS[name], **tuned}
+
+
+def decode_launch(name: str, interpret: bool, **given) -> dict:
+  """The launch fields one call of decode kernel ``name`` runs with: those the caller gives (not None), else the
+  GPU's tuned ones (``decode_kernel_params``); interpret mode takes the defaults. The kernels call this, so a
+  caller passes nothing to get the tuned launch."""
+  fields = decode_kernel_params(name, None if interpret else device_kind())
+  if set(given) - set(fields):
+    raise ValueError(f"decode kernel {name!r} takes launch fields {sorted(fields)}, got {sorted(given)}")
+  return {**fields, **{k: v for k, v in given.items() if v is not None}}
+
+
+def device_kind() -> str:
+  """The kind of the first device (its tuning file's name, e.g. 'NVIDIA H200')."""
+  import jax  # pylint: disable=import-outside-toplevel  # the rest of this module is plain data
+  return jax.devices()[0].device_kind
 
 
 def _device_file(device_kind: str) -> str:

@@ -25,6 +25,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from qerl_kernels import config as config_lib
 from qerl_kernels.decode_qkv import padded_heads
 
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
@@ -132,11 +133,15 @@ def merge_kernel(o_part_ref, lse_ref, out_ref, *, splits: int, kv_heads: int, gr
   plgpu.store(out_ref.at[b, head, pl.ds(0, head_dim)], out_D.astype(out_ref.dtype))
 
 
-def _split_plan(b: int, kvh: int, seq: int, block_s: int, splits: int | None) -> tuple[int, int]:
-  """(splits, blocks per split): enough programs for every SM by default, at most one split per block."""
+def _split_plan(b: int, kvh: int, seq: int, block_s: int, splits: int | None,
+                programs_per_sm: int = 2) -> tuple[int, int]:
+  """(splits, blocks per split): by default enough splits for ``programs_per_sm`` programs on each of the
+  H200's 132 SMs, at most one split per block. A split walks its blocks one after another (a loop of dynamic
+  length, which Triton does not pipeline), so more, shorter splits trade the merge's reads for fewer loads in
+  a row."""
   num_blocks = pl.cdiv(seq, block_s)
   if splits is None:
-    splits = max(1, min(num_blocks, -(-2 * 132 // (b * kvh))))
+    splits = max(1, min(num_blocks, -(-programs_per_sm * 132 // (b * kvh))))
   splits = min(splits, num_blocks)
   blocks_per_split = pl.cdiv(num_blocks, splits)
   return pl.cdiv(num_blocks, blocks_per_split), blocks_per_split  # no split without an in-range slot
@@ -154,7 +159,7 @@ def _check(q_BxHxD, k_cache, v_cache, mask_BxS, block_s):
 
 
 def _attend(q_BxHxD, k_cache, v_cache, layer, mask_BxS, limit, new_kv, *, block_s, splits, num_warps,
-            interpret):
+            programs_per_sm, interpret):
   """The kernel, then the merge of its splits (a second small kernel): (out [B, H * Dh], the caches' outputs
   [L * B * C, Hkv * Dh] when `new_kv` gives this token's (k, v) [B, Hkv, Dh] to store at slot `limit`)."""
   _check(q_BxHxD, k_cache, v_cache, mask_BxS, block_s)
@@ -165,11 +170,11 @@ def _attend(q_BxHxD, k_cache, v_cache, layer, mask_BxS, limit, new_kv, *, block_
   rows = jnp.concatenate([y.astype(jnp.float32) for y in rows] + [jnp.zeros((b, gp, d), jnp.float32)], axis=1)
   return _attend_rows(rows, k_cache, v_cache, layer, mask_BxS, limit, new_kv is not None, heads=h,
                       q_dtype=q_BxHxD.dtype, block_s=block_s, splits=splits, num_warps=num_warps,
-                      interpret=interpret)
+                      programs_per_sm=programs_per_sm, interpret=interpret)
 
 
 def _attend_rows(rows, k_cache, v_cache, layer, mask_BxS, limit, update: bool, *, heads: int, q_dtype, block_s,
-                 splits, num_warps, interpret):
+                 splits, num_warps, programs_per_sm, interpret):
   """`_attend` from its one input array: rows float32 [B, H (+ 2 Hkv with ``update``) + Gp, Dh]."""
   b, _, d = rows.shape
   num_layers, _, cache_len, kvh, _ = k_cache.shape
@@ -177,7 +182,7 @@ def _attend_rows(rows, k_cache, v_cache, layer, mask_BxS, limit, update: bool, *
   seq = mask_BxS.shape[-1]
   g = h // kvh
   gp = padded_heads(h, kvh)
-  splits, blocks_per_split = _split_plan(b, kvh, seq, block_s, splits)
+  splits, blocks_per_split = _split_plan(b, kvh, seq, block_s, splits, programs_per_sm)
   layer_1 = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
   limit_1 = jnp.reshape(jnp.asarray(limit, jnp.int32), (1,))
   k2 = k_cache.reshape(num_layers * b * cache_len, kvh * d)
@@ -216,26 +221,32 @@ def _attend_rows(rows, k_cache, v_cache, layer, mask_BxS, limit, update: bool, *
   return out, caches
 
 
+def _launch(block_s: int | None, num_warps: int | None, interpret: bool) -> dict:
+  """block_s, num_warps and programs_per_sm: those given, else the device's tuning (``config.decode_launch``)."""
+  return config_lib.decode_launch("attention", interpret, block_s=block_s, num_warps=num_warps)
+
+
 def decode_attention(q_BxHxD: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, mask_BxS: jax.Array, *,
-                     num_visible=None, block_s: int = 64, splits: int | None = None, num_warps: int = 4,
-                     interpret: bool = False) -> jax.Array:
+                     num_visible=None, block_s: int | None = None, splits: int | None = None,
+                     num_warps: int | None = None, interpret: bool = False) -> jax.Array:
   """Attention of one query per row over layer ``layer`` of a stacked cache; returns [B, H * Dh] in q's dtype.
 
   q_BxHxD: the new token's query heads. k_cache, v_cache: [L, B, C, Hkv, Dh] (C >= S). layer: int32 scalar
   (may be traced). mask_BxS: bool, slot s of row b is visible (S <= C: later slots are never read).
   num_visible: int32 scalar (may be traced) or None (= S): slots from it on must be invisible in every row
   (the caller's promise, e.g. a decode step's causal limit); their blocks are skipped. splits: slot splits per
-  (row, kv head) (None: enough programs for every SM, at most one per block).
+  (row, kv head) (None: the tuned ``programs_per_sm`` programs per SM, at most one split per block).
   """
+  launch = _launch(block_s, num_warps, interpret)
   limit = mask_BxS.shape[-1] if num_visible is None else num_visible
-  out, _ = _attend(q_BxHxD, k_cache, v_cache, layer, mask_BxS, limit, None, block_s=block_s, splits=splits,
-                   num_warps=num_warps, interpret=interpret)
+  out, _ = _attend(q_BxHxD, k_cache, v_cache, layer, mask_BxS, limit, None, splits=splits, **launch,
+                   interpret=interpret)
   return out
 
 
 def decode_attention_update(q_BxHxD: jax.Array, k_new_BxKxD: jax.Array, v_new_BxKxD: jax.Array,
                             k_cache: jax.Array, v_cache: jax.Array, layer, slot, mask_BxS: jax.Array, *,
-                            block_s: int = 64, splits: int | None = None, num_warps: int = 4,
+                            block_s: int | None = None, splits: int | None = None, num_warps: int | None = None,
                             interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
   """`decode_attention` with the token's own k and v written into the cache by the same kernel.
 
@@ -245,30 +256,32 @@ def decode_attention_update(q_BxHxD: jax.Array, k_new_BxKxD: jax.Array, v_new_Bx
   this removes XLA's two cache-writing kernels per layer (5.6 us at a 7B batch-1 step); with the merge kernel
   the step's kernel time fell 1.9% (aaa1393, experiments/RESULTS.md).
   """
+  launch = _launch(block_s, num_warps, interpret)
   if k_new_BxKxD.shape != v_new_BxKxD.shape or k_new_BxKxD.shape != (k_cache.shape[1],) + k_cache.shape[3:]:
     raise ValueError(f"decode_attention_update: new k {k_new_BxKxD.shape} / v {v_new_BxKxD.shape} must be "
                      f"[B, Hkv, Dh] of the cache {k_cache.shape}")
   out, (k2, v2) = _attend(q_BxHxD, k_cache, v_cache, layer, mask_BxS, slot, (k_new_BxKxD, v_new_BxKxD),
-                          block_s=block_s, splits=splits, num_warps=num_warps, interpret=interpret)
+                          splits=splits, **launch, interpret=interpret)
   return out, k2.reshape(k_cache.shape), v2.reshape(v_cache.shape)
 
 
 def decode_attention_rows(rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, slot, mask_BxS: jax.Array,
-                          *, heads: int, dtype, block_s: int = 64, splits: int | None = None, num_warps: int = 4,
+                          *, heads: int, dtype, block_s: int | None = None, splits: int | None = None,
+                          num_warps: int | None = None,
                           interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """`decode_attention_update` from the kernel's input array as `kernels.decode_qkv.qkv_rows` writes it.
+  """`decode_attention_update` from the kernel's input array as `qerl_kernels.decode_qkv.qkv_rows` writes it.
 
   rows: float32 [B, H + 2 Hkv + Gp, Dh]: the ``heads`` query heads in ``dtype`` (the activations'), this token's
   k and v heads in the cache's dtype, then zero rows (``padded_heads``). Returns (out [B, H * Dh] in ``dtype``,
   k_cache, v_cache) as `decode_attention_update` does.
   """
+  launch = _launch(block_s, num_warps, interpret)
   b, n_rows, d = rows.shape
   kvh = k_cache.shape[3]
   if heads % kvh or n_rows != heads + 2 * kvh + padded_heads(heads, kvh):
     raise ValueError(f"decode_attention_rows: rows {rows.shape} must be [B, H + 2 Hkv + Gp, Dh] for H={heads} "
                      f"query heads and the cache's Hkv={kvh}")
-  _check(jax.ShapeDtypeStruct((b, heads, d), dtype), k_cache, v_cache, mask_BxS, block_s)
+  _check(jax.ShapeDtypeStruct((b, heads, d), dtype), k_cache, v_cache, mask_BxS, launch["block_s"])
   out, (k2, v2) = _attend_rows(rows, k_cache, v_cache, layer, mask_BxS, slot, True, heads=heads,
-                               q_dtype=jnp.dtype(dtype), block_s=block_s, splits=splits, num_warps=num_warps,
-                               interpret=interpret)
+                               q_dtype=jnp.dtype(dtype), splits=splits, **launch, interpret=interpret)
   return out, k2.reshape(k_cache.shape), v2.reshape(v_cache.shape)

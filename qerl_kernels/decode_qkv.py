@@ -4,7 +4,7 @@ At a batch-1 7B decode step the q|k|v group launch (``nvfp4_gemv.nvfp4_gemv_xa_p
 partial sums of y = h @ [W_q | W_k | W_v] over its K split and of the adapters' x @ [A_q | A_k | A_v | 0]. XLA
 then ran the partials' sums, three adapter up-projections, RoPE on q and k, and the concatenation into the
 decode attention kernel's one input array: ~0.23 ms per step at e127210 (experiments/RESULTS.md). Here one
-launch writes that array (``kernels.decode_attention``'s rows: the query heads, the token's k and v heads, then
+launch writes that array (``qerl_kernels.decode_attention``'s rows: the query heads, the token's k and v heads, then
 zero rows), one program per (row, head): a head's two RoPE halves are in the same program, so nothing crosses
 programs.
 
@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from qerl_kernels import config as config_lib
 
 
 def qkv_rows_kernel(parts_ref, cos_ref, sin_ref, *refs, heads: int, kv_heads: int, head_dim: int, num_parts: int,
@@ -94,7 +96,7 @@ def _check(parts, cos_MxR, sin_MxR, heads, kv_heads, head_dim, xa_PxMxR, b_RxN, 
 
 
 def padded_heads(heads: int, kv_heads: int) -> int:
-  """The zero rows after the heads in ``kernels.decode_attention``'s rows: its tensor-core dots load Gp rows."""
+  """The zero rows after the heads in ``qerl_kernels.decode_attention``'s rows: its tensor-core dots load Gp rows."""
   g = heads // kv_heads
   return max(16, 1 << (g - 1).bit_length())
 
@@ -103,7 +105,7 @@ def padded_heads(heads: int, kv_heads: int) -> int:
                                              "cache_dtype", "num_warps", "interpret"))
 def qkv_rows(parts: jax.Array, cos_MxR: jax.Array, sin_MxR: jax.Array, *, heads: int, kv_heads: int, head_dim: int,
              dtype, cache_dtype, xa_PxMxR: jax.Array | None = None, b_RxN: jax.Array | None = None, rank: int = 0,
-             lora_scale: float = 1.0, bias_N: jax.Array | None = None, num_warps: int = 1,
+             lora_scale: float = 1.0, bias_N: jax.Array | None = None, num_warps: int | None = None,
              interpret: bool = False) -> jax.Array:
   """float32 [M, H + 2 Hkv + Gp, Dh]: RoPE'd q heads, RoPE'd k heads and v heads in ``cache_dtype``, zero rows.
 
@@ -113,6 +115,7 @@ def qkv_rows(parts: jax.Array, cos_MxR: jax.Array, sin_MxR: jax.Array, *, heads:
   (`transformer.with_merged_launches`), every member's rank ``rank``. bias_N: [b_q | b_k | b_v].
   """
   _check(parts, cos_MxR, sin_MxR, heads, kv_heads, head_dim, xa_PxMxR, b_RxN, rank, bias_N)
+  num_warps = config_lib.decode_launch("qkv_rows", interpret, num_warps=num_warps)["num_warps"]
   m = parts.shape[1]
   operands = [parts, cos_MxR.astype(jnp.float32), sin_MxR.astype(jnp.float32)]
   if b_RxN is not None:

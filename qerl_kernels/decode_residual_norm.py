@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from qerl_kernels import config as config_lib
+
 
 def residual_add_kernel(x_ref, parts_ref, *refs, d: int, block_d: int, num_parts: int, xa_parts: int, rank: int,
                         lora_scale: float, bias: bool):
@@ -101,16 +103,19 @@ def _check(x_MxD, parts_SxMxD, norm_D, xa_PxMxR, b_RxD, bias_D, noise_D):
 @functools.partial(jax.jit, static_argnames=("eps", "lora_scale", "block_d", "num_warps", "interpret"))
 def residual_norm(x_MxD: jax.Array, parts_SxMxD: jax.Array, norm_D: jax.Array, *, eps: float,
                   xa_PxMxR: jax.Array | None = None, b_RxD: jax.Array | None = None, lora_scale: float = 1.0,
-                  bias_D: jax.Array | None = None, noise_D: jax.Array | None = None, block_d: int = 256,
-                  num_warps: int = 4, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                  bias_D: jax.Array | None = None, noise_D: jax.Array | None = None, block_d: int | None = None,
+                  num_warps: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """(x + y, rms_norm(x + y)) in x's dtype, y = sum(parts) + bias + lora_scale * (sum(xa) @ B): two launches.
 
   x_MxD: the residual stream. parts_SxMxD: a projection's split-K partial sums (float32; or its finished
   output in x's dtype, S = 1). norm_D: the RMSNorm's scale, noise_D its AQN addition (float32) or None.
   xa_PxMxR: float32 partial sums of the adapter's x @ A (summed, then rounded to B's dtype) with B [r, D], r a
-  power of two. block_d: columns per program (a power of two).
+  power of two. block_d: columns per program (a power of two); it and num_warps default to the device's tuning
+  (``config.decode_launch``).
   """
   _check(x_MxD, parts_SxMxD, norm_D, xa_PxMxR, b_RxD, bias_D, noise_D)
+  launch = config_lib.decode_launch("residual_norm", interpret, block_d=block_d, num_warps=num_warps)
+  block_d, num_warps = launch["block_d"], launch["num_warps"]
   m, d = x_MxD.shape
   rank = 0 if b_RxD is None else b_RxD.shape[0]
   if block_d < 16 or block_d & (block_d - 1) or rank & (rank - 1):

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from qerl_kernels import config as config_lib
+
 
 def swiglu_kernel(parts_ref, *refs, n: int, block_n: int, num_parts: int, xa_parts: int, rank: int,
                   lora_scale: float, bias: bool):
@@ -84,15 +86,18 @@ def _check(parts_Sx_Mx2N, n, xa_PxMxR, b_gate_RxN, b_up_RxN, bias_gate_N, bias_u
 @functools.partial(jax.jit, static_argnames=("n", "dtype", "lora_scale", "block_n", "num_warps", "interpret"))
 def swiglu(parts_Sx_Mx2N: jax.Array, *, n: int, dtype, xa_PxMxR: jax.Array | None = None,
            b_gate_RxN: jax.Array | None = None, b_up_RxN: jax.Array | None = None, lora_scale: float = 1.0,
-           bias_gate_N: jax.Array | None = None, bias_up_N: jax.Array | None = None, block_n: int = 512,
-           num_warps: int = 4, interpret: bool = False) -> jax.Array:
+           bias_gate_N: jax.Array | None = None, bias_up_N: jax.Array | None = None, block_n: int | None = None,
+           num_warps: int | None = None, interpret: bool = False) -> jax.Array:
   """m [M, N] in ``dtype`` = SiLU(g) * u, [g | u] = sum(parts) + biases + each adapter's term, one launch.
 
   parts_Sx_Mx2N: the gate|up group launch's split-K partial sums (float32; or its finished output in ``dtype``,
   S = 1). xa_PxMxR: float32 partials of x @ [A_gate | A_up | zero padding] (the group's A), with the two
-  adapters' B's [r, N]. block_n: columns per program (a power of two).
+  adapters' B's [r, N]. block_n: columns per program (a power of two); it and num_warps default to the device's
+  tuning (``config.decode_launch``).
   """
   _check(parts_Sx_Mx2N, n, xa_PxMxR, b_gate_RxN, b_up_RxN, bias_gate_N, bias_up_N)
+  launch = config_lib.decode_launch("swiglu", interpret, block_n=block_n, num_warps=num_warps)
+  block_n, num_warps = launch["block_n"], launch["num_warps"]
   if block_n < 16 or block_n & (block_n - 1):
     raise ValueError(f"swiglu: {block_n=} must be a power of two >= 16")
   m = parts_Sx_Mx2N.shape[1]

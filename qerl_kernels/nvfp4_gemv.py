@@ -375,7 +375,7 @@ def nvfp4_gemv_xa_partials(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb:
                            poison: bool = False, layer=None) -> tuple[jax.Array, jax.Array]:
   """`nvfp4_gemv_xa_pallas` without the sums XLA adds after it: (y's partial sums over the K split [S, M, N]
   (float32; x's dtype when S = 1), x @ A's over the extra programs [P, M, r] float32), for a kernel that adds
-  them itself (``kernels.decode_residual_norm``). Not differentiable: decode steps only."""
+  them itself (``qerl_kernels.decode_residual_norm``). Not differentiable: decode steps only."""
   _check_xa(x_MxK, a_KxR, config)
   return _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, config, interpret, poison, layer, ([], Epilogue()),
                  a_KxR, partials=True)

@@ -124,8 +124,7 @@ def _gpu_supported() -> bool:
     return False
 
 
-def _device_kind() -> str:
-  return jax.devices()[0].device_kind
+_device_kind = config_lib.device_kind  # a module attribute here, so tests can give the dispatch another device
 
 
 def xla_min_rows() -> int | None:

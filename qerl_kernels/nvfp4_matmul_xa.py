@@ -20,7 +20,7 @@ from qerl_kernels import config as config_lib
 from qerl_kernels.nvfp4_gemv import nvfp4_gemv_xa_pallas, nvfp4_gemv_xa_partials, xa_rank_supported
 from qerl_jax.quant.types import NVFP4Tensor
 
-# The module, not the package attribute of the same name (the function `kernels.nvfp4_matmul`).
+# The module, not the package attribute of the same name (the function `qerl_kernels.nvfp4_matmul`).
 mm = importlib.import_module("qerl_kernels.nvfp4_matmul")
 
 
@@ -30,7 +30,7 @@ def nvfp4_matmul_xa(x: jax.Array, q: NVFP4Tensor | mm.Nvfp4Group, a_KxR: jax.Arr
   """(x @ dequantize(q, x.dtype) in x's dtype, x @ A in float32 [..., r]).
 
   Args:
-    x, q, layer, interpret: as for ``kernels.nvfp4_matmul``.
+    x, q, layer, interpret: as for ``qerl_kernels.nvfp4_matmul``.
     a_KxR: the adapter's A [K, r] (float32 or bf16). x @ A is x cast to A's dtype times A, accumulated in
       float32 (PEFT's order; the caller casts it to B's dtype).
     fwd_config: the few-row config (None: the tuned or heuristic one). The shared launch needs the gemv
@@ -60,7 +60,7 @@ def nvfp4_matmul_xa_partials(x: jax.Array, q: NVFP4Tensor | mm.Nvfp4Group, a_KxR
   """The shared launch's outputs before their sums: (y partials [S, M, N], x @ A partials [P, M, r] float32).
 
   x [..., K] (M rows in all). Only where ``partials_launch_applies`` holds (else ValueError); not differentiable.
-  A consumer kernel adds the partials (``kernels.decode_residual_norm``), which saves XLA's kernels for them.
+  A consumer kernel adds the partials (``qerl_kernels.decode_residual_norm``), which saves XLA's kernels for them.
   With ``tiles``, a few-row call that the tile kernels take (3-16 rows on an H200) gives their split-K partials
   and XLA's x @ A as one partial (P = 1): the same consumer kernels then end the step at those rows too.
   """

@@ -1,17 +1,17 @@
 """NVFP4 weight-only matmul in Pallas Mosaic GPU (Hopper): the weight decoded in registers as wgmma's A operand.
 
-Experimental, forward only, and off by default: timed at 584a6d9 (``experiments/bench_kernels.py --mosaic``), the
-7B gate at 64 rows ran 98.8 us against 56.1 for the tile kernel (one warpgroup per SM hides no latency;
-qerl_kernels/NOTES.md item M). ``kernels.nvfp4_matmul`` runs it for a config with ``engine="mosaic"``, e.g. a tuning
-file entry (``experiments/tuning_variant.py --entry fwd:64 --set engine=mosaic``, then ``QERL_KERNEL_TUNING``); the
-backward stays the tile kernel's. Why a second backend: at 8-64 rows the Triton tile kernels are
-latency-bound, not byte- or issue-bound (7B gate at 64 rows: ~15 M warp instructions, ~15 us of issue, 55.6 us
-measured; qerl_kernels/NOTES.md item 3). Triton decodes the weight, writes it to shared memory in the MMA's layout,
-and re-reads it with byte re-packing; it cannot take wgmma's A operand from registers for a computed value.
-Mosaic GPU gives the layouts to the kernel: the 4-bit codes travel by TMA into shared memory, load into
-registers in a layout that relayouts to wgmma's A fragment by shuffles of packed words, are decoded there,
-scaled per NVFP4 block and fed to wgmma directly. This is the design of Marlin / Machete on Hopper, and of
-jax's own int8 x bf16 ``hopper_mixed_type_matmul_mgpu``.
+Experimental, forward only, and off by default: timed at 584a6d9 (``experiments/bench_kernels.py --mosaic``), the 7B
+gate at 64 rows ran 98.8 us against 56.1 for the tile kernel (one warpgroup per SM hides no latency;
+qerl_kernels/NOTES.md item M). ``qerl_kernels.nvfp4_matmul`` runs it for a config with ``engine="mosaic"``, e.g. a
+tuning file entry (``experiments/tuning_variant.py --entry fwd:64 --set engine=mosaic``, then
+``QERL_KERNEL_TUNING``); the backward stays the tile kernel's. Why a second backend: at 8-64 rows the Triton tile
+kernels are latency-bound, not byte- or issue-bound (7B gate at 64 rows: ~15 M warp instructions, ~15 us of issue,
+55.6 us measured; qerl_kernels/NOTES.md item 3). Triton decodes the weight, writes it to shared memory in the MMA's
+layout, and re-reads it with byte re-packing; it cannot take wgmma's A operand from registers for a computed value.
+Mosaic GPU gives the layouts to the kernel: the 4-bit codes travel by TMA into shared memory, load into registers in
+a layout that relayouts to wgmma's A fragment by shuffles of packed words, are decoded there, scaled per NVFP4 block
+and fed to wgmma directly. This is the design of Marlin / Machete on Hopper, and of jax's own int8 x bf16
+``hopper_mixed_type_matmul_mgpu``.
 
 Computed transposed: y^T [N, M] = dequant(W)^T [N, K] @ x^T [K, M], so that the weight's output columns are
 wgmma's M (64 per warpgroup) and x's rows its N (``tile_m``: 8 to 128, so few rows cost little). Each program

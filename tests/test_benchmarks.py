@@ -454,12 +454,17 @@ def test_check_decode_kernels_finds_the_kernels_equal_to_their_references(tmp_pa
                  capture_output=True, text=True)
   rec = json.loads(out.read_text())
   from qerl_kernels import config as config_lib
-  launch = rec["kernels"].pop("launch")  # interpret mode: the kernels' defaults, whatever the tuning file says
-  assert launch == {name: config_lib.DECODE_KERNELS[name] for name in ("residual_norm", "swiglu", "qkv_rows")}
+  launch = rec["launch"]  # interpret mode: the kernels' defaults, whatever the tuning file says
+  assert launch == {name: config_lib.DECODE_KERNELS[name]
+                    for name in ("residual_norm", "swiglu", "qkv_rows", "attention")}
   assert {name: r["max_ulps"] for name, r in rec["kernels"].items()} == {
     f"{kernel}_m{m}{part}": 0.0 for m in (1, 2)
     for kernel, parts in (("residual_norm", ("_x", "_h")), ("swiglu", ("",)), ("qkv_rows", ("",))) for part in parts}
   assert rec["model"]["kernels_traced"] == {"residual_norm": 16, "swiglu": 8, "qkv_rows": 8}
+  # decode attention against the model's float32 attention: bf16 probabilities times v, ~1e-3 of the output
+  assert sorted(rec["attention"]) == [f"attention_b{b}_{label}" for b in (1, 3)
+                                      for label in ("block_per_split", "tuned")]
+  assert all(1e-5 < r["max_err_over_max"] < 1e-2 for r in rec["attention"].values()), rec["attention"]
   assert rec["model"]["max_abs_over_max_logit"] < 0.02 and rec["commit"] == "test"
 
 
@@ -490,7 +495,7 @@ def test_profile_decode_defaults_to_the_lora_path_rollouts_run():
 
 def test_tuning_variant_sets_a_decode_kernels_launch_fields(tmp_path, monkeypatch):
   # decode:KERNEL changes that kernel's fields in the file's "decode_kernels" and nothing else; the model reads them
-  # through kernels.config.decode_kernel_params (defaults for a kernel or a device the file does not tune).
+  # through qerl_kernels.config.decode_kernel_params (defaults for a kernel or a device the file does not tune).
   from experiments import tuning_variant
   from qerl_kernels import config as config_lib
   out = tmp_path / "v.json"
@@ -504,6 +509,15 @@ def test_tuning_variant_sets_a_decode_kernels_launch_fields(tmp_path, monkeypatc
   assert config_lib.decode_kernel_params("qkv_rows", None) == config_lib.DECODE_KERNELS["qkv_rows"]
   with pytest.raises(ValueError, match="unknown decode kernel 'mlp'"):
     config_lib.decode_kernel_params("mlp", "NVIDIA H200")
+  # What a kernel runs with (config.decode_launch, which the decode kernels call): a field its caller gives, else
+  # the device's tuned one; interpret mode (no GPU to ask) the defaults.
+  monkeypatch.setattr(config_lib, "device_kind", lambda: "NVIDIA H200")
+  assert config_lib.decode_launch("qkv_rows", False) == {"num_warps": 4}
+  assert config_lib.decode_launch("qkv_rows", False, num_warps=None) == {"num_warps": 4}
+  assert config_lib.decode_launch("qkv_rows", False, num_warps=2) == {"num_warps": 2}
+  assert config_lib.decode_launch("qkv_rows", True) == config_lib.DECODE_KERNELS["qkv_rows"]
+  with pytest.raises(ValueError, match=r"decode kernel 'swiglu' takes launch fields \['block_n', 'num_warps'\]"):
+    config_lib.decode_launch("swiglu", True, block_d=64)
   with pytest.raises(ValueError, match="field 'block_n' must be a power of two, got 100"):
     tuning_variant.decode_variant(base, "swiglu", {"block_n": 100})
   with pytest.raises(ValueError, match=r"decode kernel 'swiglu' takes fields \['block_n', 'num_warps'\]"):

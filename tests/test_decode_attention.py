@@ -97,6 +97,39 @@ def test_one_split_leaves_nothing_to_merge(splits, merges):
   assert not {"exp", "reduce_max", "reduce_sum", "div"} & set(outside), outside
 
 
+@pytest.mark.parametrize("b,programs_per_sm,want", [
+  (1, 2, (20, 1)),  # 7B at batch 1: 4 (row, kv head) pairs, one split per 64-slot block of 1280
+  (8, 2, (7, 3)),  # batch 8: 264 programs wanted, 32 pairs, 9 splits asked, 3 blocks each -> 7 splits
+  (8, 8, (20, 1)),
+  (64, 2, (2, 10)),
+  (64, 16, (7, 3)),  # 2112 programs over 256 pairs -> 9 splits asked, 3 blocks each -> 7
+])
+def test_the_split_plan_aims_at_the_programs_per_sm(b, programs_per_sm, want):
+  from qerl_kernels.decode_attention import _split_plan
+  assert _split_plan(b, 4, 1280, 64, None, programs_per_sm) == want
+  assert _split_plan(b, 4, 1280, 64, 3, programs_per_sm) == (3, 7)  # a caller's splits win
+
+
+def test_a_tuned_programs_per_sm_reaches_the_launch(tmp_path, monkeypatch):
+  # The tuning file's "decode_kernels" -> "attention" -> "programs_per_sm" sets the grid's splits on a GPU (traced
+  # here, not run: the jaxpr's pallas_call carries the grid); a caller's splits still win.
+  import json
+  from qerl_kernels import config as config_lib
+  tuning = tmp_path / "t.json"
+  tuning.write_text(json.dumps({"entries": [], "decode_kernels": {"attention": {"programs_per_sm": 8}}}))
+  monkeypatch.setenv("QERL_KERNEL_TUNING", str(tuning))
+  monkeypatch.setattr(config_lib, "device_kind", lambda: "NVIDIA H200")
+  q, k, v, mask = _case("tuned_splits", 1, 8, 28, 4, 32, 1280, 1280)
+
+  def grids(**kw):
+    jaxpr = jax.make_jaxpr(lambda q: decode_attention(q, k, v, 0, mask, **kw))(q)
+    return [e.params["grid_mapping"].grid for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+
+  assert grids() == [(32, 20), (8 * 28,)]  # 8 * 132 programs wanted: one 64-slot block per split
+  assert grids(splits=5) == [(32, 5), (8 * 28,)]
+  assert grids(interpret=True) == [(32, 7), (8 * 28,)]  # interpret mode: the defaults (2 per SM)
+
+
 @pytest.mark.parametrize("num_layers,layer,b,h,kvh,d,cache_len,seq,slot,block_s,splits", [
   (3, 2, 2, 28, 4, 64, 200, 200, 130, 16, None),  # 7B's grouping, many splits, the slot mid-block
   (2, 0, 3, 8, 8, 32, 96, 70, 64, 16, 2),  # the slot opens a block; only 70 of 96 slots are masked in

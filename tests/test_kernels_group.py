@@ -1,4 +1,4 @@
-"""One launch over a group of NVFP4 weights (`kernels.Nvfp4Group`: q|k|v, gate|up), each read in place.
+"""One launch over a group of NVFP4 weights (`qerl_kernels.Nvfp4Group`: q|k|v, gate|up), each read in place.
 
 Against the NumPy oracle of each member: the members have their own global scales and widths that are not
 multiples of the column block (so a member's last block is masked at its own width), and sit in stacks read

@@ -1,4 +1,4 @@
-"""x @ A in the gemv's launch (`kernels.nvfp4_matmul_xa`): interpret mode against NumPy, gradients, fallbacks."""
+"""x @ A in the gemv's launch (`qerl_kernels.nvfp4_matmul_xa`): interpret mode against NumPy, gradients, fallbacks."""
 
 import dataclasses
 

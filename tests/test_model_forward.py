@@ -362,7 +362,7 @@ def test_fused_lora_epilogue_gives_the_same_logits_and_adapter_gradients(monkeyp
 
 def test_gemv_lora_xa_gives_the_same_decode_logits_and_adapter_gradients(monkeypatch):
   # config.gemv_lora_xa: at one decode row each NVFP4 projection's gemv also computes its adapter's x @ A
-  # (kernels.nvfp4_matmul_xa, interpret mode here). Logits equal the usual path's (XLA on this CPU), the
+  # (qerl_kernels.nvfp4_matmul_xa, interpret mode here). Logits equal the usual path's (XLA on this CPU), the
   # gradients of A and B the float32 path's as closely as bf16 allows, and the launches are the shared ones
   # (no concatenated A's). The gradients are held to float32 by norm, not to the usual bf16 path entry by entry:
   # where a gradient's entries cancel, the two bf16 paths' entries differed several-fold (seed 17316175). Where
@@ -431,8 +431,8 @@ def test_decode_partials_to_pallas_give_the_xla_decode_logits(monkeypatch, loop)
   # config.decode_partials="pallas": at a cached decode step o_proj's and down_proj's gemvs hand their partial
   # sums to one kernel each that adds them, the adapter and the residual, then applies the next norm
   # (post_attention_layernorm; the next block's input_layernorm, or the final norm after the last block)
-  # (kernels.decode_residual_norm), the gate|up launch its partials to kernels.decode_swiglu, and (with the
-  # Pallas decode attention and no q/k norms) the q|k|v launch its partials to kernels.decode_qkv, which writes
+  # (qerl_kernels.decode_residual_norm), the gate|up launch its partials to qerl_kernels.decode_swiglu, and (with the
+  # Pallas decode attention and no q/k norms) the q|k|v launch its partials to qerl_kernels.decode_qkv, which writes
   # the attention kernel's input with RoPE; all in interpret mode here, as the gemvs are. The per-layer loops
   # merge q|k|v and gate|up into one launch each, as rollouts do; "per_layer" keeps the q/k norms (Qwen3), so
   # its q|k|v stays with XLA. Logits of a prefill and two decode steps of two rows, with AQN noise on both
@@ -522,7 +522,7 @@ def test_decode_partials_tiles_give_the_same_decode_logits_at_tile_rows(monkeypa
 
 
 def test_decode_qkv_rows_are_the_xla_steps_rows(monkeypatch):
-  # One layer's q|k|v at a decode step through kernels.decode_qkv (`_decode_qkv_rows`) against XLA's steps in
+  # One layer's q|k|v at a decode step through qerl_kernels.decode_qkv (`_decode_qkv_rows`) against XLA's steps in
   # `_layer` (the group launch's outputs with each member's bias and adapter, RoPE at each row's own position,
   # k and v in the cache's dtype), for two rows at different positions: within one bf16 ulp, rarely apart.
   import qerl_kernels as kernels
@@ -564,7 +564,7 @@ def test_gemv_lora_xa_without_a_kernel_is_the_usual_program():
 
 def test_pallas_decode_attention_gives_the_xla_decode_logits(model_and_seed):
   # The same weights with decode_attention="pallas": one-token steps read the stacked cache in place
-  # (kernels.decode_attention, interpret mode here); prefill and logits match the XLA path.
+  # (qerl_kernels.decode_attention, interpret mode here); prefill and logits match the XLA path.
   model, seed = model_and_seed
   config = model.config
   kernel_model = Transformer(config.replace(decode_attention="pallas"), model.params(), lora=model.lora)

@@ -231,7 +231,7 @@ def _decode_logits(params, config, scale, tokens):
 @pytest.mark.parametrize("rows", [1, 6])  # the gemv with x @ A in its launch; the tile kernel's fused epilogue
 def test_merged_launches_give_the_separate_launches_logits_in_one_launch_per_group(monkeypatch, rows):
   # ModelConfig.rollout_merged_launches: q|k|v and gate|up as one NVFP4 launch each over the members' weights
-  # read in place (kernels.Nvfp4Group), each with its own global scale (up and k get others here). Through the
+  # read in place (qerl_kernels.Nvfp4Group), each with its own global scale (up and k get others here). Through the
   # kernels (interpret mode) the logits equal the separate launches' (bf16 activations, q/k/v biases, nonzero
   # bf16 adapters), with 4 matmul launches per layer where there were 7, and no weight concatenated.
   import functools

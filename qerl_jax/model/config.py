@@ -58,7 +58,7 @@ class ModelConfig:
   # Queries per attention block for long sequences (0: all at once); see attention.attend.
   attn_query_chunk: int = 1024
   # One-token decode steps: "xla" (attention.attend over the layer's whole cache), "pallas"
-  # (kernels.decode_attention reads the layer's cache in place, up to the token's own slot; interpret mode
+  # (qerl_kernels.decode_attention reads the layer's cache in place, up to the token's own slot; interpret mode
   # off the GPU) or "auto" (pallas on a GPU, xla elsewhere). On an H200 at e7ec3b0 (7B, slot 768 of 1280)
   # pallas took the NVFP4 step 10.52 -> 9.76 ms at batch 64, 6.21 -> 6.03 at 8, and bf16 8.39 -> 7.41 at 64;
   # 5.31 vs 5.38 at batch 1 (noise).
@@ -114,7 +114,7 @@ class ModelConfig:
   rollout_base_dtype: str = ""
   # NVFP4 projection groups that share an input ("qkv", "gate_up") run as one matmul launch inside a rollout,
   # as vLLM merges them at load time, but with no merged copy: the launch reads each member's weight in place,
-  # with its own global scale (`kernels.Nvfp4Group`). On an H200 at 276b6ce (7B NVFP4, `profile_decode
+  # with its own global scale (`qerl_kernels.Nvfp4Group`). On an H200 at 276b6ce (7B NVFP4, `profile_decode
   # --merged-launches none auto`, same weights) this took the decode step 3.77 -> 3.45 ms at 1 row, 5.20 -> 4.94
   # at 8 and 12.75 -> 12.20 at 128, against one launch per projection.
   # None (the default) merges both groups wherever they can be: an NVFP4 base read in place (not

@@ -135,7 +135,7 @@ def base_matmul(x_BxTxK: jax.Array, w: Any, **epilogue) -> jax.Array:
 
 def _xa_in_gemv(x_BxTxK: jax.Array, p: dict[str, Any]) -> bool:
   """Whether this projection's gemv computes its adapter's x @ A in the same launch
-  (`kernels.nvfp4_matmul_xa`: decode rows, an NVFP4 weight, a kernel that takes it). Elsewhere the caller's
+  (`qerl_kernels.nvfp4_matmul_xa`: decode rows, an NVFP4 weight, a kernel that takes it). Elsewhere the caller's
   own x @ A (`lora_xa`, concatenated in `linears`) is the faster one."""
   if p.get("lora_a") is None or not is_nvfp4(p["w"]):
     return False
@@ -203,7 +203,7 @@ def linear(x_BxTxK: jax.Array, p: dict[str, Any], lora_scale: float, fused: bool
   """One projection from its parameter dict {"w", optional "b", optional "lora_a"/"lora_b"}.
 
   fused: with an NVFP4 weight, add the bias and the adapter's (x @ A) @ B inside the matmul kernel's
-  epilogue (`kernels.nvfp4_matmul(..., bias=, lora=)`), in float32 with one rounding, instead of as separate
+  epilogue (`qerl_kernels.nvfp4_matmul(..., bias=, lora=)`), in float32 with one rounding, instead of as separate
   XLA operations; x @ A stays in XLA. Other weights, and adapters not in x's dtype, ignore it.
   xa_BxTxR: x @ A already computed (`linears`).
   gemv_xa: at decode rows on an NVFP4 weight, x @ A is computed in the gemv's launch where a kernel takes it

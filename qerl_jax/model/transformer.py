@@ -104,13 +104,11 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, h_BxTxD, p, noise, n
       if rows is None:
         o, k_stack, v_stack = kernel.decode_attention_update(q[:, 0], k[:, 0].astype(k_cache.dtype),
                                                              v[:, 0].astype(v_cache.dtype), k_stack, v_stack, index,
-                                                             cache_index, mask_BxTxS[:, 0], interpret=not on_gpu,
-                                                             **_decode_kernel_params("attention", not on_gpu))
+                                                             cache_index, mask_BxTxS[:, 0], interpret=not on_gpu)
       else:
         o, k_stack, v_stack = kernel.decode_attention_rows(rows, k_stack, v_stack, index, cache_index,
                                                            mask_BxTxS[:, 0], heads=config.num_heads,
-                                                           dtype=h_BxTxD.dtype, interpret=not on_gpu,
-                                                           **_decode_kernel_params("attention", not on_gpu))
+                                                           dtype=h_BxTxD.dtype, interpret=not on_gpu)
       o = o[:, None]
       kv = (k_stack, v_stack) if stacked else (k_stack[0], v_stack[0])
     else:
@@ -141,13 +139,6 @@ def _partials_to_pallas(config: ModelConfig, decode: bool, gemv_xa: bool) -> tup
   return decode and gemv_xa and wanted, not on_gpu
 
 
-def _decode_kernel_params(name: str, interpret: bool) -> dict:
-  """Launch fields (programs, warps) of a decode kernel: the GPU's tuning file ("decode_kernels"), or the defaults
-  in interpret mode (qerl_kernels.config.DECODE_KERNELS)."""
-  from qerl_kernels import config as kernel_config  # pylint: disable=import-outside-toplevel
-  return kernel_config.decode_kernel_params(name, None if interpret else jax.devices()[0].device_kind)
-
-
 def _decode_qkv_rows(config: ModelConfig, lora_scale: float, h_BxTxD: jax.Array, p, merged, cos, sin, cache_dtype,
                      gemv_xa: bool) -> jax.Array | None:
   """The decode attention kernel's input rows from one kernel over the q|k|v group launch's partials
@@ -166,8 +157,7 @@ def _decode_qkv_rows(config: ModelConfig, lora_scale: float, h_BxTxD: jax.Array,
   return qkv_rows(parts_SxMxN, cos.reshape(b * t, -1), sin.reshape(b * t, -1), heads=config.num_heads,
                   kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=h_BxTxD.dtype,
                   cache_dtype=cache_dtype, xa_PxMxR=xa_PxMxR, b_RxN=merged["lora_b"], rank=ranks.pop(),
-                  lora_scale=lora_scale, bias_N=merged.get("b"), interpret=interpret,
-                  **_decode_kernel_params("qkv_rows", interpret))
+                  lora_scale=lora_scale, bias_N=merged.get("b"), interpret=interpret)
 
 
 def _swiglu(config: ModelConfig, lora_scale: float, h_BxTxD: jax.Array, p, a_KxRs, merged, fused: bool,
@@ -187,7 +177,7 @@ def _swiglu(config: ModelConfig, lora_scale: float, h_BxTxD: jax.Array, p, a_KxR
     n = gate["lora_b"].shape[1]
     m_MxN = swiglu(parts_SxMx2N, n=n, dtype=dtype, xa_PxMxR=xa_PxMxR, b_gate_RxN=gate["lora_b"],
                    b_up_RxN=up["lora_b"], lora_scale=lora_scale, bias_gate_N=gate.get("b"), bias_up_N=up.get("b"),
-                   interpret=interpret, **_decode_kernel_params("swiglu", interpret))
+                   interpret=interpret)
     return m_MxN.reshape(*h_BxTxD.shape[:-1], n)
   g, u = (y.astype(jnp.float32) for y in linears(h_BxTxD, [gate, up], lora_scale, fused, gemv_xa, a_KxRs, merged))
   return (jax.nn.silu(g) * u).astype(dtype)
@@ -208,7 +198,7 @@ def _residual_norm(config: ModelConfig, lora_scale: float, x_BxTxD: jax.Array, i
     shape = x_BxTxD.shape
     x_MxD, h_MxD = residual_norm(x_BxTxD.reshape(-1, shape[-1]), parts_SxMxD, norm_D, eps=eps, xa_PxMxR=xa_PxMxR,
                                  b_RxD=proj["lora_b"], lora_scale=lora_scale, bias_D=proj.get("b"), noise_D=noise_D,
-                                 interpret=interpret, **_decode_kernel_params("residual_norm", interpret))
+                                 interpret=interpret)
     return x_MxD.reshape(shape), h_MxD.reshape(shape)
   x_BxTxD = x_BxTxD + linear(in_BxTxK, proj, lora_scale, fused, gemv_xa=gemv_xa)
   return x_BxTxD, attn.rms_norm(x_BxTxD, norm_D, eps, noise_D)
