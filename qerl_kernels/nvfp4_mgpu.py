@@ -118,7 +118,7 @@ def matmul_f32(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array, 
   """``nvfp4_matmul_fwd_mgpu`` before its rounding: float32 [M, N] (an epilogue adds to it first)."""
   m, k = _check(x_MxK, packed_NxKh, scale_NxKb, config)
   n = packed_NxKh.shape[0]
-  tile_m, tile_k = config.tile_m, config.tile_k
+  tile_m = config.tile_m
   m_pad = -(-m // tile_m) * tile_m
   x_pad = jnp.pad(x_MxK, ((0, m_pad - m), (0, 0))) if m_pad != m else x_MxK
   codes_NxK = jax.lax.bitcast_convert_type(packed_NxKh, jnp.int4).reshape(n, k)

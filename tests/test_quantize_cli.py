@@ -16,7 +16,7 @@ from qerl_jax import quant
 from qerl_jax import quantize as cli
 from qerl_jax.quant import checkpoint
 from qerl_jax.quant.safetensors_io import SafetensorsFile, TensorSpec, write_file
-from test_quant_ct_reference import ct_decompress, ct_global_scale, ct_mxfp4, ct_nvfp4, to_torch
+from test_quant_ct_reference import ct_decompress, ct_global_scale, ct_mxfp4, ct_nvfp4
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
