@@ -44,6 +44,10 @@ try:  # the `sass` extra (pip install -e ".[sass]") or the GPU machine's image
   import triton.language as tl
 except ImportError:  # the CLI says what to install
   triton = None
+else:
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from qerl_kernels import nvfp4_tile  # noqa: E402  # the project gemv's PTX (decode = "asm")
+  _ASM_PRODUCTS = tl.constexpr(nvfp4_tile._ASM_E4M3_PRODUCTS)  # pylint: disable=protected-access
 
 
 def _triton():
@@ -55,7 +59,7 @@ def _triton():
 if triton is not None:
   @triton.jit
   def step_sums(acc, step, x_ptr, packed_ptr, scale_ptr, stride_p, stride_s, cols, col_ok,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TOTAL: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TOTAL: tl.constexpr, ASM: tl.constexpr):
     half = tl.arange(0, BLOCK_K // 2)  # byte j of a step holds elements 2j (low nibble) and 2j + 1
     blocks = tl.arange(0, BLOCK_K // 16)
     k0 = step * BLOCK_K
@@ -66,17 +70,23 @@ if triton is not None:
     s = tl.load(scale_ptr + cols[:, None] * stride_s + (k0 // 16 + blocks)[None, :], mask=ok, other=0)
     x = tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K), mask=step < TOTAL, other=0.0).to(tl.float32)
     xe, xo = tl.split(tl.reshape(x, (BLOCK_K // 2, 2)))
-    p = p.to(tl.int16)
-    lo = (((p & 8) << 12) | ((p & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (((p & 128) << 8) | ((p & 112) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
-    prod = lo * xe[None, :] + hi * xo[None, :]
+    if ASM:  # the project gemv's inline PTX: per byte lo * xe + hi * xo, lo and hi E2M1 / 64
+      zeros = tl.zeros((BLOCK_N, BLOCK_K // 2), tl.float32)
+      prod = tl.inline_asm_elementwise(_ASM_PRODUCTS, "=f,=f,=f,=f,r,f,f,f,f,f,f,f,f",
+                                       [p, xe[None, :] + zeros, xo[None, :] + zeros],
+                                       dtype=tl.float32, is_pure=True, pack=4)
+    else:  # E2M1 / 2**14 as float16 bits, in Triton's integer ops
+      p = p.to(tl.int16)
+      lo = (((p & 8) << 12) | ((p & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
+      hi = (((p & 128) << 8) | ((p & 112) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
+      prod = lo * xe[None, :] + hi * xo[None, :]
     sums = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 16, 8)), axis=2)
     return acc + sums * s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
   @triton.jit
   def gemv_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, stride_p, stride_s, N, STEPS: tl.constexpr,
                   TOTAL: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -86,11 +96,11 @@ if triton is not None:
     if STAGES > 0:  # the loop carries num_stages: Triton pipelines its loads although no dot uses them
       for i in tl.range(0, STEPS, num_stages=STAGES):
         acc = step_sums(acc, first + i, x_ptr, packed_ptr, scale_ptr, stride_p, stride_s, cols, col_ok, BLOCK_N,
-                         BLOCK_K, TOTAL)
+                         BLOCK_K, TOTAL, ASM)
     else:  # as Pallas lowers a fori_loop: no pipelining
       for i in tl.range(0, STEPS):
         acc = step_sums(acc, first + i, x_ptr, packed_ptr, scale_ptr, stride_p, stride_s, cols, col_ok, BLOCK_N,
-                         BLOCK_K, TOTAL)
+                         BLOCK_K, TOTAL, ASM)
     y = tl.sum(acc, axis=1)
     tl.store(out_ptr + pid_s * N + cols, y, mask=col_ok)
 
@@ -114,19 +124,21 @@ def make_case(k: int, n: int, device, seed: int = 0):
   return dict(x=x.to(device), packed=t(packed), scale=t(scale_bits), y_ref=y)
 
 
-def launch(kernel, case, out, *, block_n: int, block_k: int, split: int, stages: int, num_warps: int):
+def launch(kernel, case, out, *, block_n: int, block_k: int, split: int, stages: int, num_warps: int, decode: str):
   k, n = case["x"].shape[0], case["packed"].shape[0]
   steps = k // block_k
   per = -(-steps // split)
   grid = (-(-n // block_n), -(-steps // per))  # no split without a step
   kernel[grid](case["x"], case["packed"], case["scale"], out, k // 2, k // 16, n, STEPS=per, TOTAL=steps,
                BLOCK_N=block_n,
-               BLOCK_K=block_k, STAGES=stages, num_warps=num_warps)
+               BLOCK_K=block_k, STAGES=stages, ASM=decode == "asm", num_warps=num_warps)
   return grid
 
 
-VARIANTS = [dict(block_n=bn, block_k=bk, split=sp, stages=st, num_warps=w)
-            for bn in (16, 32) for bk in (256, 512) for sp in (1, 2, 4, 8) for st in (0, 3, 4) for w in (4,)]
+VARIANTS = [dict(block_n=bn, block_k=bk, split=sp, stages=st, num_warps=w, decode=d)
+            for d in ("int", "asm") for bn in (16, 32) for bk in (256, 512) for sp in (1, 2, 4, 8)
+            for st in ((0, 3, 4) if d == "int" else (0, 2, 3)) for w in (4,)]
+DECODE_FACTOR = {"int": 2.0 ** 14, "asm": 64.0}  # the decoded codes are E2M1 over this
 
 
 def check(kernel, case, variant) -> float:
@@ -134,20 +146,20 @@ def check(kernel, case, variant) -> float:
   n = case["packed"].shape[0]
   out = torch.full((variant["split"], n), float("nan"), dtype=torch.float32, device=case["x"].device)
   grid = launch(kernel, case, out, **variant)
-  y = out[:grid[1]].sum(0).double().cpu().numpy() * 2.0 ** 14
+  y = out[:grid[1]].sum(0).double().cpu().numpy() * DECODE_FACTOR[variant["decode"]]
   return float(np.abs(y - case["y_ref"]).max() / np.abs(case["y_ref"]).max())
 
 
-def ptx_report(kernel, triton, shape: str) -> list[dict]:
+def ptx_report(kernel, triton, shape: str, decodes) -> list[dict]:
   """Compile each variant for sm_90 without a GPU and count the loads its PTX issues (cp.async: pipelined)."""
   from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
   k, n = SHAPES[shape]
   rows = []
-  for v in [v for v in VARIANTS if v["split"] == 1 and v["block_k"] == 512]:
+  for v in [v for v in VARIANTS if v["split"] == 1 and v["block_k"] == 512 and v["decode"] in decodes]:
     sig = {"x_ptr": "*bf16", "packed_ptr": "*u8", "scale_ptr": "*u8", "out_ptr": "*fp32", "stride_p": "i32",
            "stride_s": "i32", "N": "i32"}
     consts = {"STEPS": k // v["block_k"], "TOTAL": k // v["block_k"], "BLOCK_N": v["block_n"],
-              "BLOCK_K": v["block_k"], "STAGES": v["stages"]}
+              "BLOCK_K": v["block_k"], "STAGES": v["stages"], "ASM": v["decode"] == "asm"}
     # What a launch on these shapes specializes: pointers and the strides divisible by 16.
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
     src = triton.compiler.ASTSource(fn=kernel, signature={**sig, **{c: "constexpr" for c in consts}},
@@ -157,7 +169,8 @@ def ptx_report(kernel, triton, shape: str) -> list[dict]:
     rows.append(dict(v, shape=shape, cp_async=ptx.count("cp.async.ca") + ptx.count("cp.async.cg"),
                      ld_global=ptx.count("ld.global"), shared=compiled.metadata.shared,
                      regs=getattr(compiled, "n_regs", None)))
-    print(f"{shape} bn{v['block_n']} bk{v['block_k']} stages {v['stages']}: cp.async {rows[-1]['cp_async']}, "
+    print(f"{shape} {v['decode']} bn{v['block_n']} bk{v['block_k']} stages {v['stages']}: "
+          f"cp.async {rows[-1]['cp_async']}, "
           f"ld.global {rows[-1]['ld_global']}, shared {rows[-1]['shared']} B")
   return rows
 
@@ -196,11 +209,13 @@ def main(argv=None) -> int:
   p.add_argument("--shapes", nargs="+", default=["7b.gate_up", "7b.down", "7b.qkv", "7b.o"], choices=sorted(SHAPES))
   p.add_argument("--ptx", action="store_true", help="compile for sm_90 here and count the PTX's loads")
   p.add_argument("--check-only", action="store_true")
+  p.add_argument("--decodes", nargs="+", default=["int", "asm"], choices=["int", "asm"],
+                 help="the codes' decode: Triton integer ops, or the project gemv's inline PTX (GPU only)")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   triton, kernel = _triton()
   if args.ptx:
-    rows = [r for s in args.shapes for r in ptx_report(kernel, triton, s)]
+    rows = [r for s in args.shapes for r in ptx_report(kernel, triton, s, args.decodes)]
     if args.out:
       json.dump(rows, open(args.out, "w"), indent=1)
     return 0
@@ -210,7 +225,8 @@ def main(argv=None) -> int:
   for shape in args.shapes:
     k, n = SHAPES[shape]
     case = make_case(k, n, device)
-    variants = [v for v in VARIANTS if k % v["block_k"] == 0 and k // v["block_k"] >= v["split"]]
+    variants = [v for v in VARIANTS if k % v["block_k"] == 0 and k // v["block_k"] >= v["split"]
+                and v["decode"] in args.decodes and (device == "cuda" or v["decode"] == "int")]
     worst = max(check(kernel, case, v) for v in variants)
     print(f"{shape}: largest error {worst:.2e} of the largest output over {len(variants)} variants")
     if worst > 1e-5:
