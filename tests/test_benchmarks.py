@@ -558,3 +558,25 @@ def test_profile_decode_output_digest_tells_values_apart():
   assert profile_decode.output_digest(tree) == profile_decode.output_digest(same)
   flipped = (tree[0], [tree[1][0], tree[1][1].at[3].set(jnp.float32(1e-45))])
   assert profile_decode.output_digest(flipped) != profile_decode.output_digest(tree)
+
+
+@pytest.mark.slow  # needs Triton (pip install -e ".[sass]"); ~40 s: the interpreter, then sm_90 compiles
+def test_triton_gemv_probe_matches_numpy_and_pipelines_only_when_asked():
+  # The probe's gemv in Triton's CPU interpreter against its float64 NumPy reference (ragged splits and column
+  # blocks), then what its PTX loads with: plain loads without the loop's num_stages, cp.async with it (the
+  # claim experiments/RESULTS.md's probe section rests on).
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "triton_gemv_probe.py"), "--check-only",
+                         "--shapes", "tiny"], cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"),
+                        capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  err = float(proc.stdout.split("largest error ")[1].split()[0])
+  assert 0 < err < 1e-6 and "over 18 variants" in proc.stdout
+  sys.path.insert(0, os.path.join(ROOT, "experiments"))
+  import triton_gemv_probe as probe
+  rows = probe.ptx_report(probe.gemv_kernel, probe.triton, "7b.o", ["int"])
+  assert {r["stages"] for r in rows} == {0, 3, 4}
+  for r in rows:
+    if r["stages"] == 0:
+      assert r["cp_async"] == 0 and r["ld_global"] > 0, r
+    else:
+      assert r["cp_async"] > 0 and r["ld_global"] == 0 and r["shared"] > 2048, r
