@@ -104,6 +104,14 @@ if triton is not None:
     y = tl.sum(acc, axis=1)
     tl.store(out_ptr + pid_s * N + cols, y, mask=col_ok)
 
+  @triton.jit
+  def gemv_kernel_jt(x_ptr, packed_ptr, scale_ptr, stride_p, stride_s, N, out_ptr, STEPS: tl.constexpr,
+                     TOTAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                     ASM: tl.constexpr):
+    """``gemv_kernel`` in jax-triton's order: the inputs (arrays, then scalars), then the output."""
+    gemv_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, stride_p, stride_s, N, STEPS, TOTAL, BLOCK_N, BLOCK_K, STAGES,
+                ASM)
+
 
 def make_case(k: int, n: int, device, seed: int = 0):
   """Random NVFP4 codes and scales (every code, finite e4m3 scales in [2**-4, 2**4)), a bf16 row and the float64
@@ -175,6 +183,61 @@ def ptx_report(kernel, triton, shape: str, decodes) -> list[dict]:
   return rows
 
 
+def jax_triton_run(shapes, out_path) -> list[dict]:
+  """The probe's kernel through jax-triton (the way a JAX model would call it): checked against NumPy, then timed
+  as one jitted program of 16 launches over rotated weight copies (median of 30 runs, per launch)."""
+  import time  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import jax_triton as jt  # pylint: disable=import-outside-toplevel
+  best = {  # call 11's fastest asm variants
+      "7b.gate_up": dict(block_n=32, block_k=512, split=1, stages=3),
+      "7b.down": dict(block_n=32, block_k=512, split=8, stages=3),
+      "7b.qkv": dict(block_n=32, block_k=256, split=8, stages=0),
+      "7b.o": dict(block_n=32, block_k=256, split=8, stages=0),
+      "tiny": dict(block_n=32, block_k=256, split=2, stages=3),
+  }
+  records = []
+  for shape in shapes:
+    k, n = SHAPES[shape]
+    v = best[shape]
+    case = make_case(k, n, "cpu")
+    steps = k // v["block_k"]
+    per = -(-steps // v["split"])
+    grid = (-(-n // v["block_n"]), -(-steps // per))
+
+    def gemv_parts(x, packed, scale, v=v, grid=grid, per=per, steps=steps):  # float32 [splits, N]
+      return jt.triton_call(x, packed, scale, k // 2, k // 16, n, kernel=gemv_kernel_jt,
+                            out_shape=jax.ShapeDtypeStruct((grid[1], n), jnp.float32), grid=grid, num_warps=4,
+                            STEPS=per, TOTAL=steps, BLOCK_N=v["block_n"], BLOCK_K=v["block_k"], STAGES=v["stages"],
+                            ASM=True)
+
+    x = jnp.asarray(case["x"].float().numpy(), jnp.bfloat16)
+    packed = jnp.asarray(case["packed"].numpy())
+    scale = jnp.asarray(case["scale"].numpy())
+    y = np.asarray(jax.jit(gemv_parts)(x, packed, scale), np.float64).sum(0) * DECODE_FACTOR["asm"]
+    err = float(np.abs(y - case["y_ref"]).max() / np.abs(case["y_ref"]).max())
+    num_copies = max(2, -(-256 * 2 ** 20 // (n * k * 9 // 16)))  # past the 60 MB L2
+    copies = [(packed + jnp.uint8(0), scale + jnp.uint8(0)) for _ in range(num_copies)]
+    calls = 16
+    run = jax.jit(lambda x, cs: [gemv_parts(x, *cs[j % len(cs)]) for j in range(calls)])
+    jax.block_until_ready(run(x, copies))
+    times = []
+    for _ in range(30):
+      t0 = time.perf_counter()
+      jax.block_until_ready(run(x, copies))
+      times.append((time.perf_counter() - t0) * 1e6 / calls)
+    records.append(dict(v, shape=shape, decode="asm", err=err, us_per_call_host=statistics.median(times),
+                        device=jax.devices()[0].device_kind, jax=jax.__version__,
+                        jax_triton=getattr(jt, "__version__", "?"), triton=triton.__version__,
+                        commit=os.environ.get("QERL_COMMIT", "")))
+    print(f"jax-triton {shape}: error {err:.2e}, {records[-1]['us_per_call_host']:.2f} us per launch "
+          f"(host-timed, 16 launches per program)")
+    if out_path:
+      json.dump(records, open(out_path, "w"), indent=1)
+  return records
+
+
 def time_us(fns, replays: int = 30) -> float:
   """Per call: the median over ``replays`` CUDA-graph replays of the calls ``fns`` (each a launch on its own weight
   copy, in order), divided by their number. A graph keeps the host's launch cost (~10 us per Triton launch from
@@ -211,9 +274,14 @@ def main(argv=None) -> int:
   p.add_argument("--check-only", action="store_true")
   p.add_argument("--decodes", nargs="+", default=["int", "asm"], choices=["int", "asm"],
                  help="the codes' decode: Triton integer ops, or the project gemv's inline PTX (GPU only)")
+  p.add_argument("--jax-triton", action="store_true",
+                 help="GPU: the asm kernel through jax-triton (does it work with this jax; what it costs in JAX)")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   triton, kernel = _triton()
+  if args.jax_triton:
+    jax_triton_run(args.shapes, args.out)
+    return 0
   if args.ptx:
     rows = [r for s in args.shapes for r in ptx_report(kernel, triton, s, args.decodes)]
     if args.out:
