@@ -220,19 +220,30 @@ def jax_triton_run(shapes, out_path) -> list[dict]:
     num_copies = max(2, -(-256 * 2 ** 20 // (n * k * 9 // 16)))  # past the 60 MB L2
     copies = [(packed + jnp.uint8(0), scale + jnp.uint8(0)) for _ in range(num_copies)]
     calls = 16
-    run = jax.jit(lambda x, cs: [gemv_parts(x, *cs[j % len(cs)]) for j in range(calls)])
-    jax.block_until_ready(run(x, copies))
-    times = []
-    for _ in range(30):
-      t0 = time.perf_counter()
+
+    def host_us(op):  # per launch: the median of 30 runs of one jitted program of `calls` launches
+      run = jax.jit(lambda x, cs: [op(x, *cs[j % len(cs)]) for j in range(calls)])
       jax.block_until_ready(run(x, copies))
-      times.append((time.perf_counter() - t0) * 1e6 / calls)
-    records.append(dict(v, shape=shape, decode="asm", err=err, us_per_call_host=statistics.median(times),
+      times = []
+      for _ in range(30):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(x, copies))
+        times.append((time.perf_counter() - t0) * 1e6 / calls)
+      return statistics.median(times)
+
+    # The control: the shipped Pallas gemv on the same bytes in the same harness (its launches are XLA
+    # fusions, which XLA's command buffers capture; a custom call's launch may not be).
+    from qerl_jax.quant.types import NVFP4Tensor  # pylint: disable=import-outside-toplevel
+    import qerl_kernels  # pylint: disable=import-outside-toplevel
+    pallas = lambda x, p, s: qerl_kernels.nvfp4_matmul(  # noqa: E731
+        x[None], NVFP4Tensor(p, jax.lax.bitcast_convert_type(s, jnp.float8_e4m3fn), jnp.ones((1,), jnp.float32)))
+    records.append(dict(v, shape=shape, decode="asm", err=err, us_per_call_host=host_us(gemv_parts),
+                        pallas_us_per_call_host=host_us(pallas),
                         device=jax.devices()[0].device_kind, jax=jax.__version__,
                         jax_triton=getattr(jt, "__version__", "?"), triton=triton.__version__,
                         commit=os.environ.get("QERL_COMMIT", "")))
-    print(f"jax-triton {shape}: error {err:.2e}, {records[-1]['us_per_call_host']:.2f} us per launch "
-          f"(host-timed, 16 launches per program)")
+    print(f"jax-triton {shape}: error {err:.2e}, {records[-1]['us_per_call_host']:.2f} us per launch, the Pallas "
+          f"gemv {records[-1]['pallas_us_per_call_host']:.2f} (host-timed, 16 launches per program)")
     if out_path:
       json.dump(records, open(out_path, "w"), indent=1)
   return records
