@@ -13,11 +13,12 @@ script writes the same gemv directly in Triton, with and without that attribute,
 matrix-vector product and a copy. It decides whether a jax-triton gemv is worth building; it is not one.
 
 The kernel: y[n] = sum_k x[k] * dequant(W)[n, k] for one row x (bf16), W as NVFP4 (codes [N, K/2] uint8, two per
-byte, low nibble first; e4m3 scales [N, K/16]; a float32 global scale). A code decodes to float16 bits
-(sign << 15 | magnitude << 9), which is E2M1 / 2**14 exactly (the subnormal codes too), so the products, the
-16-element block sums (float32) and the block scale follow the project's gemv; 2**14 / global scale at the end.
-Columns split into BLOCK_N-wide programs, K optionally into SPLIT ranges of whole steps (float32 partials, summed
-by torch).
+byte, low nibble first; e4m3 scales [N, K/16]; the global scale left to the caller, 1 here). Two decodes: "int"
+forms float16 bits (sign << 15 | magnitude << 9), E2M1 / 2**14 exactly (the subnormal codes too), in Triton's
+integer ops; "asm" runs the project gemv's inline PTX (E2M1 / 64, each byte's two products fused). The products,
+the 16-element block sums (float32) and the block scale follow the project's gemv; the caller multiplies by
+``DECODE_FACTOR``. Columns split into BLOCK_N-wide programs, K optionally into SPLIT ranges of whole steps
+(float32 partials, summed by the caller).
 """
 
 from __future__ import annotations
@@ -50,10 +51,9 @@ else:
   _ASM_PRODUCTS = tl.constexpr(nvfp4_tile._ASM_E4M3_PRODUCTS)  # pylint: disable=protected-access
 
 
-def _triton():
+def _require_triton() -> None:
   if triton is None:
     raise SystemExit("triton_gemv_probe needs Triton: pip install -e \".[sass]\" (or run it on the GPU machine)")
-  return triton, gemv_kernel
 
 
 if triton is not None:
@@ -115,31 +115,30 @@ if triton is not None:
 
 def make_case(k: int, n: int, device, seed: int = 0):
   """Random NVFP4 codes and scales (every code, finite e4m3 scales in [2**-4, 2**4)), a bf16 row and the float64
-  reference y (NumPy, from the same bytes)."""
+  reference y: the project's dequantization of the same bytes (exact in float32), times x in float64."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
+  from qerl_jax.quant import dequantize_NxK  # pylint: disable=import-outside-toplevel
+  from qerl_jax.quant.types import NVFP4Tensor  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(seed)
   packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
   # e4m3 bits with exponent field 3..10 (2**-4 .. 2**3) and any mantissa, positive
   scale_bits = (rng.integers(3, 11, (n, k // 16)) << 3 | rng.integers(0, 8, (n, k // 16))).astype(np.uint8)
   x = torch.randn(k, dtype=torch.float32).to(torch.bfloat16)
-  e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
-  codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, k)
-  exp, man = (scale_bits >> 3).astype(np.int64), (scale_bits & 7).astype(np.float64)
-  scales = np.where(exp > 0, 2.0 ** (exp - 7) * (1 + man / 8), 2.0 ** -6 * man / 8)
-  w = e2m1[codes] * np.repeat(scales, 16, axis=1)
+  q = NVFP4Tensor(jnp.asarray(packed), jnp.asarray(scale_bits).view(jnp.float8_e4m3fn), jnp.ones((1,), jnp.float32))
+  w = np.asarray(dequantize_NxK(q, jnp.float32), np.float64)
   y = w @ x.float().numpy().astype(np.float64)
   t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
   return dict(x=x.to(device), packed=t(packed), scale=t(scale_bits), y_ref=y)
 
 
-def launch(kernel, case, out, *, block_n: int, block_k: int, split: int, stages: int, num_warps: int, decode: str):
+def launch(case, out, *, block_n: int, block_k: int, split: int, stages: int, num_warps: int, decode: str):
   k, n = case["x"].shape[0], case["packed"].shape[0]
   steps = k // block_k
   per = -(-steps // split)
   grid = (-(-n // block_n), -(-steps // per))  # no split without a step
-  kernel[grid](case["x"], case["packed"], case["scale"], out, k // 2, k // 16, n, STEPS=per, TOTAL=steps,
-               BLOCK_N=block_n,
-               BLOCK_K=block_k, STAGES=stages, ASM=decode == "asm", num_warps=num_warps)
+  gemv_kernel[grid](case["x"], case["packed"], case["scale"], out, k // 2, k // 16, n, STEPS=per, TOTAL=steps,
+                    BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, ASM=decode == "asm", num_warps=num_warps)
   return grid
 
 
@@ -149,16 +148,16 @@ VARIANTS = [dict(block_n=bn, block_k=bk, split=sp, stages=st, num_warps=w, decod
 DECODE_FACTOR = {"int": 2.0 ** 14, "asm": 64.0}  # the decoded codes are E2M1 over this
 
 
-def check(kernel, case, variant) -> float:
+def check(case, variant) -> float:
   import torch  # pylint: disable=import-outside-toplevel
   n = case["packed"].shape[0]
   out = torch.full((variant["split"], n), float("nan"), dtype=torch.float32, device=case["x"].device)
-  grid = launch(kernel, case, out, **variant)
+  grid = launch(case, out, **variant)
   y = out[:grid[1]].sum(0).double().cpu().numpy() * DECODE_FACTOR[variant["decode"]]
   return float(np.abs(y - case["y_ref"]).max() / np.abs(case["y_ref"]).max())
 
 
-def ptx_report(kernel, triton, shape: str, decodes) -> list[dict]:
+def ptx_report(shape: str, decodes) -> list[dict]:
   """Compile each variant for sm_90 without a GPU and count the loads its PTX issues (cp.async: pipelined)."""
   from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
   k, n = SHAPES[shape]
@@ -170,7 +169,7 @@ def ptx_report(kernel, triton, shape: str, decodes) -> list[dict]:
               "BLOCK_K": v["block_k"], "STAGES": v["stages"], "ASM": v["decode"] == "asm"}
     # What a launch on these shapes specializes: pointers and the strides divisible by 16.
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
-    src = triton.compiler.ASTSource(fn=kernel, signature={**sig, **{c: "constexpr" for c in consts}},
+    src = triton.compiler.ASTSource(fn=gemv_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
                                     constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=v["num_warps"]))
     ptx = compiled.asm["ptx"]
@@ -289,12 +288,12 @@ def main(argv=None) -> int:
                  help="GPU: the asm kernel through jax-triton (does it work with this jax; what it costs in JAX)")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
-  triton, kernel = _triton()
+  _require_triton()
   if args.jax_triton:
     jax_triton_run(args.shapes, args.out)
     return 0
   if args.ptx:
-    rows = [r for s in args.shapes for r in ptx_report(kernel, triton, s, args.decodes)]
+    rows = [r for s in args.shapes for r in ptx_report(s, args.decodes)]
     if args.out:
       json.dump(rows, open(args.out, "w"), indent=1)
     return 0
@@ -306,7 +305,7 @@ def main(argv=None) -> int:
     case = make_case(k, n, device)
     variants = [v for v in VARIANTS if k % v["block_k"] == 0 and k // v["block_k"] >= v["split"]
                 and v["decode"] in args.decodes and (device == "cuda" or v["decode"] == "int")]
-    worst = max(check(kernel, case, v) for v in variants)
+    worst = max(check(case, v) for v in variants)
     print(f"{shape}: largest error {worst:.2e} of the largest output over {len(variants)} variants")
     if worst > 1e-5:
       print("FAILED: the gemv does not match its reference", file=sys.stderr)
@@ -328,7 +327,7 @@ def main(argv=None) -> int:
     copy_gbps = 2 * big.numel() / copy_us / 1e3
     for v in variants:
       out = torch.empty((v["split"], n), dtype=torch.float32, device=device)
-      us = time_us([lambda c=rot[j % copies], v=v, out=out: launch(kernel, c, out, **v) for j in range(calls)])
+      us = time_us([lambda c=rot[j % copies], v=v, out=out: launch(c, out, **v) for j in range(calls)])
       records.append(dict(v, shape=shape, us=us, bf16_us=bf16_us, gbps=bytes_nvfp4 / us / 1e3, copy_gbps=copy_gbps,
                           device=torch.cuda.get_device_name(), triton=triton.__version__,
                           commit=os.environ.get("QERL_COMMIT", "")))
@@ -345,8 +344,6 @@ def main(argv=None) -> int:
         print(f"{r['shape']:12s} {r['block_n']:3d} {r['block_k']:4d} {r['split']:5d} {r['stages']:6d} {r['us']:7.2f} "
               f"{r['gbps'] / 1e3:5.2f} {r['bf16_us']:8.2f}{'  best' if r is best[r['shape']] else ''}")
     print(f"copy bandwidth {records[0]['copy_gbps'] / 1e3:.2f} TB/s (read + write)")
-  if args.out and records:
-    json.dump(records, open(args.out, "w"), indent=1)
   return 0
 
 

@@ -78,20 +78,20 @@ def main(argv=None) -> int:
                  help="change a copy of the entry that applies to these weight shapes only (put before it)")
   p.add_argument("--out", required=True)
   args = p.parse_args(argv)
-  direction, max_rows = args.entry.split(":")
+  direction, which = args.entry.split(":")  # fwd:2, bwd:16, or decode:KERNEL
   changes = {k: _value(v) for k, v in (item.split("=", 1) for item in args.set)}
   tuning = config_lib._read_json(config_lib._device_file(args.device))  # pylint: disable=protected-access
   if direction == "decode":  # decode:swiglu etc.: a decode kernel's launch fields, not a matmul entry
     if args.shapes:
       p.error("--shapes applies to matmul entries (fwd:R, bwd:R), not to decode kernels")
-    out = decode_variant(tuning, max_rows, changes)
+    out = decode_variant(tuning, which, changes)
   else:
-    out = variant(tuning, direction, int(max_rows), changes, args.shapes)
+    out = variant(tuning, direction, int(which), changes, args.shapes)
   with open(args.out, "w") as f:
     json.dump(out, f, indent=1)
   config_lib._read_json(args.out)  # pylint: disable=protected-access  # loads as the kernels would
   where = f" for shapes {args.shapes}" if args.shapes else ""
-  print(f"{args.out}: the {args.device} file with {direction}:{max_rows} changed by {changes}{where}")
+  print(f"{args.out}: the {args.device} file with {args.entry} changed by {changes}{where}")
   return 0
 
 

@@ -136,9 +136,9 @@ def merge_kernel(o_part_ref, lse_ref, out_ref, *, splits: int, kv_heads: int, gr
 def _split_plan(b: int, kvh: int, seq: int, block_s: int, splits: int | None,
                 programs_per_sm: int = 2) -> tuple[int, int]:
   """(splits, blocks per split): by default enough splits for ``programs_per_sm`` programs on each of the
-  H200's 132 SMs, at most one split per block. A split walks its blocks one after another (a loop of dynamic
-  length, which Triton does not pipeline), so more, shorter splits trade the merge's reads for fewer loads in
-  a row."""
+  H200's 132 SMs, at most one split per block. A split walks its blocks one after another, so more, shorter
+  splits trade the merge's reads for fewer loads in a row (on an H200 at 1e20e96 that trade came out even:
+  experiments/RESULTS.md)."""
   num_blocks = pl.cdiv(seq, block_s)
   if splits is None:
     splits = max(1, min(num_blocks, -(-programs_per_sm * 132 // (b * kvh))))

@@ -573,7 +573,7 @@ def test_triton_gemv_probe_matches_numpy_and_pipelines_only_when_asked():
   assert 0 < err < 1e-6 and "over 18 variants" in proc.stdout
   sys.path.insert(0, os.path.join(ROOT, "experiments"))
   import triton_gemv_probe as probe
-  rows = probe.ptx_report(probe.gemv_kernel, probe.triton, "7b.o", ["int"])
+  rows = probe.ptx_report("7b.o", ["int"])
   assert {r["stages"] for r in rows} == {0, 3, 4}
   for r in rows:
     if r["stages"] == 0:
