@@ -122,6 +122,7 @@ def run_one(args):
   config = model_config(args.model).replace(decode_attention=args.decode_attention, decode_layers=args.decode_layers,
                                             fused_lora=args.fused_lora, gemv_lora_xa=args.gemv_lora_xa,
                                             decode_partials_tiles=args.decode_partials_tiles,
+                                            decode_norm_fold=args.decode_norm_fold,
                                             rollout_base_dtype=args.rollout_base_dtype,
                                             rollout_merged_launches=merged_groups(args.merged_launches, args.quant))
   base = synthetic_base(config, args.quant)
@@ -172,7 +173,7 @@ def _time_rollout(args, config, graphdef, state, weight_bytes, bw, batch):
               device=jax.devices()[0].device_kind, jax=jax.__version__,
               decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora,
               gemv_lora_xa=args.gemv_lora_xa, rollout_base_dtype=args.rollout_base_dtype,
-              decode_partials_tiles=args.decode_partials_tiles,
+              decode_partials_tiles=args.decode_partials_tiles, decode_norm_fold=args.decode_norm_fold,
               rollout_merged_launches=",".join(config.merged_launch_groups),
               xla_flags=os.environ.get("XLA_FLAGS", ""),
               kernel_tuning=os.environ.get("QERL_KERNEL_TUNING", "") or "shipped")  # a variant file, if one is set
@@ -284,6 +285,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--decode-partials-tiles", action=argparse.BooleanOptionalAction, default=False,
                  help="NVFP4: the tile launches' partials to the decode kernels at 3-16 rows "
                       "(ModelConfig.decode_partials_tiles; off by default)")
+  p.add_argument("--decode-norm-fold", action=argparse.BooleanOptionalAction, default=False,
+                 help="NVFP4: the gemv after a block's end reads its pending RMSNorm (ModelConfig.decode_norm_fold; "
+                      "off by default)")
   p.add_argument("--rollout-base-dtype", default="", choices=["", "bfloat16"],
                  help="NVFP4: dequantize the base once per rollout into a bf16 copy "
                       "(ModelConfig.rollout_base_dtype; '' = the fused kernels, the default)")
@@ -326,6 +330,7 @@ def main():
            "--fused-lora" if args.fused_lora else "--no-fused-lora",
            "--gemv-lora-xa" if args.gemv_lora_xa else "--no-gemv-lora-xa",
            "--decode-partials-tiles" if args.decode_partials_tiles else "--no-decode-partials-tiles",
+           "--decode-norm-fold" if args.decode_norm_fold else "--no-decode-norm-fold",
            "--rollout-base-dtype", args.rollout_base_dtype, "--merged-launches", args.merged_launches]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:  # records arrive as each batch finishes, so a time-out keeps what ran

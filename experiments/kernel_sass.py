@@ -64,11 +64,12 @@ _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([.
 
 
 def triton_ir(direction: str, rows: int, k: int, n: int, cfg: config_lib.Nvfp4MatmulConfig, xa_rank: int = 0,
-              epilogue_rank: int = 0, group: tuple[int, ...] = ()) -> str:
+              epilogue_rank: int = 0, group: tuple[int, ...] = (), norm: str = "") -> str:
   """The kernel's Triton IR as text Triton's own parser reads (jax's debug print, locations stripped).
   xa_rank: the gemv launch that also computes x @ A for a float32 adapter of this rank. epilogue_rank: the
   forward with the fused epilogue (bias and a bf16 adapter of this rank: ``fused_lora``). group: the forward
-  over a group of weights of these widths (summing to n) in one launch (``qerl_kernels.Nvfp4Group``)."""
+  over a group of weights of these widths (summing to n) in one launch (``qerl_kernels.Nvfp4Group``). norm
+  ("plain" or "noise"; with xa_rank): that launch reading a pending RMSNorm of x (``nvfp4_gemv.NormPlan``)."""
   from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
 
   widths = group or (n,)
@@ -79,7 +80,17 @@ def triton_ir(direction: str, rows: int, k: int, n: int, cfg: config_lib.Nvfp4Ma
     packed, scale, gs = packed[0], scale[0], gs[0]
   elif direction != "fwd" or sum(group) != n:
     raise ValueError(f"a group is a forward over widths summing to N={n}, got {group} ({direction})")
-  if direction == "fwd" and xa_rank:
+  if direction == "fwd" and xa_rank and norm:
+    from qerl_kernels.decode_residual_norm import PendingNorm  # pylint: disable=import-outside-toplevel
+    adapter = jnp.zeros((k, xa_rank), jnp.float32)
+    noise = jnp.zeros((k,), jnp.float32) if norm == "noise" else None
+
+    def f(a, p, s, g):
+      pending = PendingNorm(a, jnp.ones((rows, k // 128), jnp.float32), jnp.ones((k,), jnp.bfloat16), noise,
+                            eps=1e-6, shape=(rows, k), block_d=128, num_warps=2, interpret=False)
+      return nvfp4_gemv.nvfp4_gemv_xa_partials(pending, p, s, g, adapter, config=cfg)
+    a = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
+  elif direction == "fwd" and xa_rank:
     adapter = jnp.zeros((k, xa_rank), jnp.float32)
     f = lambda a, p, s, g: nvfp4_gemv.nvfp4_gemv_xa_pallas(a, p, s, g, adapter, config=cfg)
     a = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
@@ -207,6 +218,9 @@ def main(argv=None):
                  help="tile forward: with the fused epilogue (bias and a bf16 adapter of this rank)")
   p.add_argument("--lora-xa", type=int, default=0, metavar="RANK",
                  help="gemv: the launch that also computes x @ A for an adapter of this rank (nvfp4_matmul_xa)")
+  p.add_argument("--norm", default="", choices=["", "plain", "noise"],
+                 help="gemv with --lora-xa: reading a pending RMSNorm of x, with or without AQN noise "
+                      "(decode_residual_norm.PendingNorm)")
   p.add_argument("--group", default="", metavar="WIDTHS",
                  help="forward: one launch over a group of weights of these widths, e.g. 3584,512,512 for the "
                       "shape qkv (qerl_kernels.Nvfp4Group: a branch per member)")
@@ -241,9 +255,10 @@ def main(argv=None):
       raise SystemExit(f"--half needs the gemv engine and an e4m3-route decoder; the config is {cfg}")
   os.makedirs(args.out, exist_ok=True)
   group = tuple(int(w) for w in args.group.split(",")) if args.group else ()
-  base = os.path.join(args.out, f"{args.shape}.{args.direction}.{args.rows}" + (".group" if group else ""))
+  base = os.path.join(args.out, f"{args.shape}.{args.direction}.{args.rows}" + (".group" if group else "")
+                      + (f".norm_{args.norm}" if args.norm else ""))
   with open(base + ".ttir", "w") as f:
-    f.write(triton_ir(args.direction, args.rows, k, n, cfg, args.lora_xa, args.epilogue, group))
+    f.write(triton_ir(args.direction, args.rows, k, n, cfg, args.lora_xa, args.epilogue, group, args.norm))
   out = compile_sm90(base + ".ttir", cfg.num_warps, cfg.num_stages)
   for ext in ("ttgir", "ptx", "sass"):
     with open(f"{base}.{ext}", "w") as f:

@@ -206,14 +206,16 @@ def run(args):
                 for f in (args.lora_epilogue if quant == "nvfp4" else ["xla"])
                 for g in (args.merged_launches if quant == "nvfp4" else ["none"])
                 for t in (args.tunings if quant == "nvfp4" else [""])
-                for pt in (args.partials_tiles if quant == "nvfp4" else ["off"])]
-    for attention, layers, epilogue, groups, tuning, tiles in variants:
+                for pt in (args.partials_tiles if quant == "nvfp4" else ["off"])
+                for nf in (args.norm_fold if quant == "nvfp4" else ["off"])]
+    for attention, layers, epilogue, groups, tuning, tiles, norm_fold in variants:
       use_tuning(tuning)
       config = model_config(args.model).replace(decode_attention=attention, decode_layers=layers,
                                                 fused_lora=epilogue.startswith("fused"),
                                                 gemv_lora_xa=epilogue.endswith("gemv-xa"),
                                                 rollout_merged_launches=merged_groups(groups, quant),
-                                                decode_partials_tiles=tiles == "on")
+                                                decode_partials_tiles=tiles == "on",
+                                                decode_norm_fold=norm_fold == "on")
       lora = LoraConfig(rank=16, alpha=16, dtype=jnp.dtype(args.lora_dtype))
       model = Transformer(config, base, lora=lora, rngs=nnx.Rngs(0))
       gs = nnx.split(model)
@@ -238,7 +240,7 @@ def run(args):
         kernel_ms = sum(totals.values()) / 1e3 / args.steps
         rec = dict(model=args.model, quant=quant, batch=batch, decode_attention=attention, decode_layers=layers,
                    fused_lora=config.fused_lora, gemv_lora_xa=config.gemv_lora_xa, lora_dtype=args.lora_dtype,
-                   decode_partials_tiles=config.decode_partials_tiles,
+                   decode_partials_tiles=config.decode_partials_tiles, decode_norm_fold=config.decode_norm_fold,
                    rollout_merged_launches=",".join(config.merged_launch_groups), steps=args.steps,
                    cache_len=args.cache_len, start=args.start, ms_per_step=ms_step, kernel_ms_per_step=kernel_ms,
                    span_ms_per_step=span / 1e3 / args.steps,
@@ -251,7 +253,7 @@ def run(args):
         rec["calls_per_step"] = {k: details[k]["calls"] / args.steps for k in rec["kernel_details"]}
         records.append(rec)
         print(f"\n{quant:6s} b{batch:<3d} attn={attention:6s} layers={layers:8s} lora={epilogue:5s} "
-              f"merged={rec['rollout_merged_launches'] or 'none'} tuning={rec['tuning']} "
+              f"merged={rec['rollout_merged_launches'] or 'none'} tuning={rec['tuning']} norm_fold={norm_fold} "
               f"{ms_step:7.2f} ms/step wall, kernels {kernel_ms:6.2f} ms/step, span {rec['span_ms_per_step']:6.2f} "
               f"output {rec['output_sha']}",
               flush=True)
@@ -289,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--partials-tiles", nargs="+", default=["off"], choices=["off", "on"],
                  help="NVFP4: ModelConfig.decode_partials_tiles (the 3-16-row tile launches hand their partials to "
                       "the decode kernels that end each step); both values: an A/B in one process")
+  p.add_argument("--norm-fold", nargs="+", default=["off"], choices=["off", "on"],
+                 help="NVFP4: ModelConfig.decode_norm_fold (the gemv after a block's end reads its pending RMSNorm); "
+                      "both values: an A/B in one process")
   p.add_argument("--merged-launches", nargs="+", default=["auto"], metavar="GROUPS",
                  help="NVFP4: comma-separated groups (qkv, gate_up) as one launch each "
                       "(ModelConfig.rollout_merged_launches; auto = both, the default; none = one per projection); "
@@ -322,12 +327,13 @@ def main():
   with open(args.out, "w") as f:
     json.dump(records, f)
   print(f"\n{'quant':6s} {'batch':>5s} {'attn':6s} {'layers':8s} {'lora':13s} {'merged':12s} {'wall ms':>8s} "
-        f"{'kernel ms':>9s} tiles  tuning")
+        f"{'kernel ms':>9s} tiles fold  tuning")
   for r in records:
     print(f"{r['quant']:6s} {r['batch']:5d} {r['decode_attention']:6s} {r['decode_layers']:8s} "
           f"{lora_label(r):13s} {r['rollout_merged_launches'] or 'none':12s} "
           f"{r['ms_per_step']:8.2f} {r['kernel_ms_per_step']:9.2f} "
-          f"{'on' if r.get('decode_partials_tiles') else 'off':5s}  {r['tuning']}")
+          f"{'on' if r.get('decode_partials_tiles') else 'off':5s} {'on' if r.get('decode_norm_fold') else 'off':4s}  "
+          f"{r['tuning']}  {r['output_sha']}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ fast enough); these two launches take 2.7-3.6 us and 1.4 us.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -67,6 +68,19 @@ def residual_add_kernel(x_ref, parts_ref, *refs, d: int, block_d: int, num_parts
   plgpu.store(ss_out.at[m, pl.ds(j, 1)], jnp.sum(x_new * x_new, keepdims=True))
 
 
+def row_inv_rms(ss_ref, row, *, blocks: int, d: int, eps: float) -> jax.Array:
+  """rsqrt(mean(x^2) + eps) of row ``row`` (float32 scalar) from its blocks' sums of squares ss_ref [M, blocks].
+  The norm kernel and a gemv that folds the norm in (``nvfp4_gemv.NormPlan``) both call this, so they agree."""
+  bp = pl.next_power_of_2(blocks)
+  sum_sq = jnp.sum(plgpu.load(ss_ref.at[row, pl.ds(0, bp)], mask=jnp.arange(bp) < blocks, other=0.0))
+  return jax.lax.rsqrt(sum_sq * jnp.float32(1.0 / d) + jnp.float32(eps))
+
+
+def normalized(x_f32: jax.Array, inv: jax.Array, scale_f32: jax.Array, dtype) -> jax.Array:
+  """x * inv * (norm scale + noise), rounded to the activations' dtype as `qerl_jax.model.attention.rms_norm`."""
+  return ((x_f32 * inv) * scale_f32).astype(dtype)
+
+
 def norm_kernel(x_ref, ss_ref, w_ref, *refs, d: int, block_d: int, blocks: int, noise: bool, eps: float):
   """Columns [j * block_d, ...) of row m: h_out = x * rsqrt(mean(x^2) + eps) * (w + noise), the mean from the
   blocks' sums of squares. x_ref [M, D]; ss_ref float32 [M, blocks]; w_ref [D]; with ``noise`` noise_ref float32
@@ -74,14 +88,12 @@ def norm_kernel(x_ref, ss_ref, w_ref, *refs, d: int, block_d: int, blocks: int, 
   noise_ref, h_out = refs if noise else (None, *refs)
   m, j = pl.program_id(0), pl.program_id(1)
   cols, valid = pl.ds(j * block_d, block_d), j * block_d + jnp.arange(block_d) < d
-  bp = pl.next_power_of_2(blocks)
-  sum_sq = jnp.sum(plgpu.load(ss_ref.at[m, pl.ds(0, bp)], mask=jnp.arange(bp) < blocks, other=0.0))
-  inv = jax.lax.rsqrt(sum_sq * jnp.float32(1.0 / d) + jnp.float32(eps))
+  inv = row_inv_rms(ss_ref, m, blocks=blocks, d=d, eps=eps)
   scale = plgpu.load(w_ref.at[cols], mask=valid, other=0).astype(jnp.float32)
   if noise:
     scale = scale + plgpu.load(noise_ref.at[cols], mask=valid, other=0.0)
   x = plgpu.load(x_ref.at[m, cols], mask=valid, other=0).astype(jnp.float32)
-  plgpu.store(h_out.at[m, cols], ((x * inv) * scale).astype(h_out.dtype), mask=valid)
+  plgpu.store(h_out.at[m, cols], normalized(x, inv, scale, h_out.dtype), mask=valid)
 
 
 def _check(x_MxD, parts_SxMxD, norm_D, xa_PxMxR, b_RxD, bias_D, noise_D):
@@ -113,6 +125,68 @@ def residual_norm(x_MxD: jax.Array, parts_SxMxD: jax.Array, norm_D: jax.Array, *
   power of two. block_d: columns per program (a power of two); it and num_warps default to the device's tuning
   (``config.decode_launch``).
   """
+  pending = residual_add(x_MxD, parts_SxMxD, norm_D, eps=eps, xa_PxMxR=xa_PxMxR, b_RxD=b_RxD,
+                         lora_scale=lora_scale, bias_D=bias_D, noise_D=noise_D, block_d=block_d,
+                         num_warps=num_warps, interpret=interpret)
+  return pending.x_MxD, pending.materialize()
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["x_MxD", "ss_MxB", "scale_D", "noise_D"],
+                   meta_fields=["eps", "shape", "block_d", "num_warps", "interpret"])
+@dataclasses.dataclass(frozen=True)
+class PendingNorm:
+  """An RMSNorm not yet applied: h = rms_norm(x) of ``shape`` (x_MxD reshaped), with each row's sum of squares
+  already split over blocks of columns (ss_MxB, float32, from ``residual_add``).
+
+  ``materialize()`` runs the norm launch (``norm_kernel``). A decode gemv can instead read it as it loads x
+  (``qerl_kernels.nvfp4_gemv.NormPlan``), which saves that launch; both round as `rms_norm` does.
+  """
+
+  x_MxD: jax.Array
+  ss_MxB: jax.Array
+  scale_D: jax.Array
+  noise_D: jax.Array | None
+  eps: float
+  shape: tuple[int, ...]
+  block_d: int  # the norm launch's, as the add's: ss_MxB holds one sum per block_d columns
+  num_warps: int
+  interpret: bool
+
+  @property
+  def dtype(self):
+    return self.x_MxD.dtype
+
+  def materialize(self) -> jax.Array:
+    """h [*shape] in x's dtype: the norm's own launch."""
+    return pending_norm(self)
+
+
+@jax.jit
+def pending_norm(pending: PendingNorm) -> jax.Array:
+  """`PendingNorm.materialize`: the norm's launch over the blocks' sums of squares."""
+  m, d = pending.x_MxD.shape
+  blocks = pending.ss_MxB.shape[1]
+  ops = [pending.x_MxD, pending.ss_MxB, pending.scale_D] + ([] if pending.noise_D is None else [pending.noise_D])
+  h = pl.pallas_call(
+      functools.partial(norm_kernel, d=d, block_d=pending.block_d, blocks=blocks, noise=pending.noise_D is not None,
+                        eps=float(pending.eps)),
+      out_shape=jax.ShapeDtypeStruct((m, d), pending.x_MxD.dtype),
+      grid=(m, blocks),
+      compiler_params=plgpu.CompilerParams(num_warps=pending.num_warps, num_stages=1),
+      interpret=pending.interpret,
+      name="decode_residual_norm",
+  )(*ops)
+  return h.reshape(pending.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "lora_scale", "block_d", "num_warps", "interpret", "shape"))
+def residual_add(x_MxD: jax.Array, parts_SxMxD: jax.Array, norm_D: jax.Array, *, eps: float,
+                 xa_PxMxR: jax.Array | None = None, b_RxD: jax.Array | None = None, lora_scale: float = 1.0,
+                 bias_D: jax.Array | None = None, noise_D: jax.Array | None = None, block_d: int | None = None,
+                 num_warps: int | None = None, interpret: bool = False, shape: tuple[int, ...] | None = None
+                 ) -> PendingNorm:
+  """`residual_norm`'s first launch: x + y and its blocks' sums of squares, with the norm left pending
+  (``PendingNorm``; x + y is its ``x_MxD``). shape: the normalized output's shape (default [M, D])."""
   _check(x_MxD, parts_SxMxD, norm_D, xa_PxMxR, b_RxD, bias_D, noise_D)
   launch = config_lib.decode_launch("residual_norm", interpret, block_d=block_d, num_warps=num_warps)
   block_d, num_warps = launch["block_d"], launch["num_warps"]
@@ -127,27 +201,19 @@ def residual_norm(x_MxD: jax.Array, parts_SxMxD: jax.Array, norm_D: jax.Array, *
     operands += [xa_PxMxR.astype(jnp.float32), b_RxD]
   if bias_D is not None:
     operands.append(bias_D)
-  params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
   x_new, ss = pl.pallas_call(
       functools.partial(residual_add_kernel, d=d, block_d=block_d, num_parts=parts_SxMxD.shape[0],
                         xa_parts=0 if xa_PxMxR is None else xa_PxMxR.shape[0], rank=rank,
                         lora_scale=float(lora_scale), bias=bias_D is not None),
       out_shape=(jax.ShapeDtypeStruct((m, d), x_MxD.dtype), jax.ShapeDtypeStruct((m, blocks), jnp.float32)),
       grid=(m, blocks),
-      compiler_params=params,
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="decode_residual_add",
   )(*operands)
-  norm_ops = [x_new, ss, norm_D] + ([] if noise_D is None else [noise_D.astype(jnp.float32)])
-  h = pl.pallas_call(
-      functools.partial(norm_kernel, d=d, block_d=block_d, blocks=blocks, noise=noise_D is not None, eps=float(eps)),
-      out_shape=jax.ShapeDtypeStruct((m, d), x_MxD.dtype),
-      grid=(m, blocks),
-      compiler_params=params,
-      interpret=interpret,
-      name="decode_residual_norm",
-  )(*norm_ops)
-  return x_new, h
+  return PendingNorm(x_new, ss, norm_D, None if noise_D is None else noise_D.astype(jnp.float32), eps=float(eps),
+                     shape=(m, d) if shape is None else tuple(shape), block_d=block_d, num_warps=num_warps,
+                     interpret=interpret)
 
 
 def residual_norm_reference(x_MxD: jax.Array, parts_SxMxD: jax.Array, norm_D: jax.Array, *, eps: float,

@@ -71,7 +71,7 @@ def half_x_powers(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
 def nvfp4_gemv_kernel(x_ref, layer_ref, *refs, widths: tuple[int, ...], rows: int, block_n: int,
                       block_b: int, steps: int, split: int, dequant: str = "jnp",
                       epilogue: Epilogue = Epilogue(), prefetch: int = 0, xa: XaPlan | None = None,
-                      half: bool = False, x_in_place: bool = False):
+                      half: bool = False, x_in_place: bool = False, norm: NormPlan | None = None):
   """One block_n slice of y for every row, over one split of the K blocks.
 
   x_ref f32 [M, 2, K/16, 8] (``gemv_x_layout``), or with ``x_in_place`` x itself as [M, K/16, 8, 2] (x's
@@ -87,10 +87,14 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, *refs, widths: tuple[int, ...], rows: in
   prefetch: load the weights this many trips ahead (``k_loop``).
   xa: also x @ A for a LoRA adapter (``XaPlan``): the refs end (*epilogue refs, a_ref, o_ref, xa_ref), and the
   first ``xa.columns`` columns of the grid compute it (``_lora_xa_partials``) while the others do the above.
+  norm: x_ref holds the residual stream and the kernel reads its RMSNorm (``NormPlan``); the norm's refs follow
+  the weights'.
   """
   # Program ids are read here, not inside the branches below: interpret mode does not resolve them there.
   pid_n, pid_s = pl.program_id(0), pl.program_id(1)
   weights, rest = [refs[3 * i:3 * i + 3] for i in range(len(widths))], refs[3 * len(widths):]
+  norm_refs, rest = (rest[:norm.num_refs], rest[norm.num_refs:]) if norm is not None else ((), rest)
+  read_x = x_source(x_ref, rows, x_in_place, norm, norm_refs)
   if xa is None:
     *epi_refs, o_ref = rest
   else:
@@ -98,9 +102,9 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, *refs, widths: tuple[int, ...], rows: in
 
   def work(pid_w):  # column block pid_w of the weights (a group's members one after the other)
     def member_block(member, pid_n, col_offset):
-      _weight_block(x_ref, layer_ref, *weights[member], epi_refs, o_ref, pid_n, pid_s, n=widths[member],
+      _weight_block(read_x, layer_ref, *weights[member], epi_refs, o_ref, pid_n, pid_s, n=widths[member],
                     col_offset=col_offset, rows=rows, block_n=block_n, block_b=block_b, steps=steps, split=split,
-                    dequant=dequant, epilogue=epilogue, prefetch=prefetch, half=half, x_in_place=x_in_place)
+                    dequant=dequant, epilogue=epilogue, prefetch=prefetch, half=half)
     nvfp4_tile.for_member(pid_w, widths, block_n, member_block)
 
   if xa is None:
@@ -109,7 +113,7 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, *refs, widths: tuple[int, ...], rows: in
 
   @pl.when(pid_n < xa.columns)
   def _():
-    _lora_xa_partials(x_ref, a_ref, xa_ref, pid_n * split + pid_s, rows=rows, plan=xa, x_in_place=x_in_place)
+    _lora_xa_partials(read_x, a_ref, xa_ref, pid_n * split + pid_s, rows=rows, plan=xa)
 
   @pl.when(pid_n >= xa.columns)
   def _():
@@ -138,7 +142,51 @@ def x_planes(x_ref, row, blocks, x_in_place: bool) -> tuple[jax.Array, jax.Array
   return x_ref[row, 0, blocks, :], x_ref[row, 1, blocks, :]
 
 
-def _lora_xa_partials(x_ref, a_ref, xa_ref, program, *, rows: int, plan: XaPlan, x_in_place: bool = False):
+def _vector_planes(v_ref, blocks, x_in_place: bool) -> tuple[jax.Array, jax.Array]:
+  """`x_planes` of a [K] vector stored in x's layout without the row: [K/16, 8, 2] in place, else [2, K/16, 8]."""
+  if x_in_place:
+    return tuple(v_ref[blocks, :, h].astype(jnp.float32) for h in (0, 1))
+  return tuple(v_ref[h, blocks, :].astype(jnp.float32) for h in (0, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class NormPlan:
+  """The gemv's x is rms_norm(x_ref) (a decode step's pending norm, ``decode_residual_norm.PendingNorm``): after
+  the weights' refs come ss_ref float32 [M, blocks] (each row's sums of squares over blocks of columns), the
+  norm's scale and, with ``noise``, its AQN addition (float32), both in x_ref's layout without the row
+  (``_vector_planes``). Each program finishes every row's mean once and normalizes the x it loads, rounding to
+  ``dtype`` as the norm's own launch does, so its products are those of the unfused path."""
+
+  blocks: int
+  d: int
+  eps: float
+  noise: bool
+  dtype: str
+
+  @property
+  def num_refs(self) -> int:
+    return 3 if self.noise else 2
+
+
+def x_source(x_ref, rows: int, x_in_place: bool, norm: NormPlan | None = None, norm_refs=()):
+  """read(r, blocks) -> float32 [blocks, 8] planes (even, odd columns) of x's row r, or with ``norm`` of its
+  RMSNorm. Each row's 1 / rms is computed here, once per program, before any K loop."""
+  if norm is None:
+    return lambda r, blocks: x_planes(x_ref, jnp.int32(r), blocks, x_in_place)
+  from qerl_kernels.decode_residual_norm import normalized, row_inv_rms  # pylint: disable=import-outside-toplevel
+  ss_ref, w_ref, *noise_ref = norm_refs
+  invs = [row_inv_rms(ss_ref, jnp.int32(r), blocks=norm.blocks, d=norm.d, eps=norm.eps) for r in range(rows)]
+
+  def read(r, blocks):
+    xs = x_planes(x_ref, jnp.int32(r), blocks, x_in_place)
+    scales = _vector_planes(w_ref, blocks, x_in_place)
+    if norm.noise:
+      scales = tuple(w + z for w, z in zip(scales, _vector_planes(noise_ref[0], blocks, x_in_place)))
+    return tuple(normalized(x, invs[r], w, norm.dtype).astype(jnp.float32) for x, w in zip(xs, scales))
+  return read
+
+
+def _lora_xa_partials(read_x, a_ref, xa_ref, program, *, rows: int, plan: XaPlan):
   """Program ``program``'s share of x @ A: trips [program * per, ...) of A viewed as [K/16, 8, 2r], whose row
   (b, j) holds A's rows 16b + 2j (columns :r) and 16b + 2j + 1 (columns r:), the two x planes' rows."""
   r, bb = plan.rank, plan.block_b
@@ -151,7 +199,7 @@ def _lora_xa_partials(x_ref, a_ref, xa_ref, program, *, rows: int, plan: XaPlan,
     a_odd_Bx8xR = a_ref[blocks, :, pl.ds(r, r)].astype(jnp.float32)
     out = []
     for row in range(rows):
-      xe_Bx8, xo_Bx8 = x_planes(x_ref, jnp.int32(row), blocks, x_in_place)
+      xe_Bx8, xo_Bx8 = read_x(row, blocks)
       prod_Bx8xR = xe_Bx8[:, :, None] * a_even_Bx8xR + xo_Bx8[:, :, None] * a_odd_Bx8xR
       out.append(accs[row] + jnp.sum(jnp.sum(prod_Bx8xR, axis=1), axis=0))
     return tuple(out)
@@ -161,9 +209,9 @@ def _lora_xa_partials(x_ref, a_ref, xa_ref, program, *, rows: int, plan: XaPlan,
     plgpu.store(xa_ref.at[program, jnp.int32(row), :], acc)
 
 
-def _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_n, pid_s, *, n: int,
+def _weight_block(read_x, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_n, pid_s, *, n: int,
                   col_offset: int, rows: int, block_n: int, block_b: int, steps: int, split: int, dequant: str,
-                  epilogue: Epilogue, prefetch: int, half: bool = False, x_in_place: bool = False):
+                  epilogue: Epilogue, prefetch: int, half: bool = False):
   """Column block ``pid_n`` of one weight's y over K split ``pid_s`` (``nvfp4_gemv_kernel``'s main work), written
   from output column ``col_offset`` on (a group member's place in y and in the epilogue's operands)."""
   layer = layer_ref[0]
@@ -198,8 +246,7 @@ def _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_r
       hi = jax.lax.bitcast_convert_type(hi_bits, jnp.float8_e4m3fn).astype(codes)
     out = []
     for r in range(rows):
-      row = jnp.int32(r)  # Pallas indexes refs with traced ints, not Python ones
-      xe_Bx8, xo_Bx8 = x_planes(x_ref, row, blocks(i), x_in_place)
+      xe_Bx8, xo_Bx8 = read_x(r, blocks(i))
       if half:  # x times the row's 2**e, in float16 (the accumulator's sum takes 2**-e at the end)
         xe_Bx8, xo_Bx8 = ((plane * x_powers[r][0]).astype(jnp.float16) for plane in (xe_Bx8, xo_Bx8))
       if dequant == "asm_fma":
@@ -213,8 +260,7 @@ def _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_r
       out.append(accs[r] + (block_sums_NxB if dequant == "asm" else block_sums_NxB * s_NxB))
     return tuple(out)
 
-  x_powers = ([half_x_powers(amax) for amax in _x_amax(x_ref, blocks, trips, rows, x_in_place)] if half
-              else None)
+  x_powers = [half_x_powers(amax) for amax in _x_amax(read_x, blocks, trips, rows)] if half else None
   zeros = tuple(jnp.zeros((block_n, block_b), jnp.float32) for _ in range(rows))
   accs = k_loop(trips, load_weights, trip, zeros, prefetch)
   multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant, jnp.bfloat16)  # "asm" decodes in bf16
@@ -230,14 +276,14 @@ def _weight_block(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_r
       plgpu.store(o_ref.at[pid_s, row, cols], y_N, mask=col_mask)
 
 
-def _x_amax(x_ref, blocks, trips, rows: int, x_in_place: bool = False) -> tuple:
+def _x_amax(read_x, blocks, trips, rows: int) -> tuple:
   """Per row, max |x| (a float32 scalar) over this program's K range (``blocks(0)`` .. ``blocks(trips - 1)``).
   The loop keeps an elementwise maximum and reduces it once: a reduction per trip (a barrier each) made the
   7B gate gemv at one row 29 us against 20 (bench_kernels --trace at bc0fae1)."""
   def trip(i, amaxes_Bx8):
     out = []
     for r, amax_Bx8 in enumerate(amaxes_Bx8):
-      xe_Bx8, xo_Bx8 = x_planes(x_ref, jnp.int32(r), blocks(i), x_in_place)
+      xe_Bx8, xo_Bx8 = read_x(r, blocks(i))
       out.append(jnp.maximum(amax_Bx8, jnp.maximum(jnp.abs(xe_Bx8), jnp.abs(xo_Bx8))))
     return tuple(out)
 
@@ -280,9 +326,10 @@ def nvfp4_gemv_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.
 
 
 def _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, cfg: Nvfp4MatmulConfig, interpret: bool, poison: bool,
-            layer, epilogue, a_KxR: jax.Array | None = None, partials: bool = False):
+            layer, epilogue, a_KxR: jax.Array | None = None, partials: bool = False, norm=None):
   """The gemv launch: y, or with ``a_KxR`` (y, x @ A in float32) (``nvfp4_gemv_xa_pallas``); with ``partials``
-  both as the kernel's partial sums ([S, M, N] and [P, M, r], ``nvfp4_gemv_xa_partials``)."""
+  both as the kernel's partial sums ([S, M, N] and [P, M, r], ``nvfp4_gemv_xa_partials``). norm: a
+  ``decode_residual_norm.PendingNorm`` the kernel applies to x as it loads it (its x_MxD is x_MxK)."""
   epi_ops, epi = epilogue
   m, k = x_MxK.shape
   (layer_1, *weights), widths = nvfp4_tile.group_operands(packed_NxKh, scale_NxKb, global_scale, layer)
@@ -293,14 +340,16 @@ def _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, cfg: Nvfp4MatmulConfig
     raise ValueError(f"{k=} must split into {cfg.split=} runs of whole {cfg.block_k=} steps")
   kb = k // 16
   plan = None if a_KxR is None else xa_plan(k, a_KxR.shape[1], a_KxR.dtype.itemsize, cfg.split)
+  norm_plan, norm_ops = _norm_operands(norm, cfg.x_in_place)
   kernel = functools.partial(nvfp4_gemv_kernel, widths=widths, rows=m, block_n=cfg.block_n,
                              block_b=cfg.block_k // 16, steps=k // cfg.block_k, split=cfg.split,
                              dequant=nvfp4_tile.decoder(cfg.dequant, interpret), epilogue=epi,
-                             prefetch=cfg.prefetch, xa=plan, half=cfg.half_products, x_in_place=cfg.x_in_place)
+                             prefetch=cfg.prefetch, xa=plan, half=cfg.half_products, x_in_place=cfg.x_in_place,
+                             norm=norm_plan)
   for i in range(0, len(weights), 3):  # packed [L*N, K/2] as [L*N, K/16, 8]: one NVFP4 block per row
     weights[i] = weights[i].reshape(weights[i].shape[0], kb, 8)
   x_op = x_MxK.reshape(m, kb, 8, 2) if cfg.x_in_place else gemv_x_layout(x_MxK)
-  operands = [x_op, layer_1, *weights, *epi_ops]
+  operands = [x_op, layer_1, *weights, *norm_ops, *epi_ops]
   extra_out, columns = (), 0
   if plan is not None:
     operands.append(a_KxR.reshape(kb, 8, 2 * plan.rank))  # row (b, j): A's rows 16b + 2j, then 16b + 2j + 1
@@ -314,6 +363,24 @@ def _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, cfg: Nvfp4MatmulConfig
     return out
   y, xa_partials = out
   return (y, xa_partials) if partials else (y, xa_partials.sum(axis=0))
+
+
+def _norm_operands(norm, x_in_place: bool) -> tuple[NormPlan | None, list]:
+  """(NormPlan, its refs' operands) of a pending norm (``decode_residual_norm.PendingNorm``), or (None, [])."""
+  if norm is None:
+    return None, []
+  m, k = norm.x_MxD.shape
+  if norm.scale_D.shape != (k,) or norm.ss_MxB.shape[0] != m:
+    raise ValueError(f"the pending norm's scale {norm.scale_D.shape} and sums {norm.ss_MxB.shape} do not fit x "
+                     f"{norm.x_MxD.shape}")
+
+  def layout(v_K):  # x's layout without the row (``_vector_planes``)
+    return v_K.reshape(k // 16, 8, 2) if x_in_place else v_K.reshape(k // 16, 8, 2).transpose(2, 0, 1)
+
+  vectors = [norm.scale_D] + ([] if norm.noise_D is None else [norm.noise_D.astype(jnp.float32)])
+  plan = NormPlan(blocks=norm.ss_MxB.shape[1], d=k, eps=float(norm.eps), noise=norm.noise_D is not None,
+                  dtype=jnp.dtype(norm.x_MxD.dtype).name)
+  return plan, [norm.ss_MxB, *(layout(v) for v in vectors)]
 
 
 # Bytes of A each x @ A program reads: ~32 KB keeps each one well under the gemv's own per-program time (a 7B
@@ -370,12 +437,18 @@ def _check_xa(x_MxK: jax.Array, a_KxR: jax.Array, config: Nvfp4MatmulConfig) -> 
     raise ValueError(f"A.shape={tuple(a_KxR.shape)} must be (K={x_MxK.shape[1]}, r)")
 
 
-def nvfp4_gemv_xa_partials(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array, global_scale: jax.Array,
+def nvfp4_gemv_xa_partials(x_MxK, packed_NxKh: jax.Array, scale_NxKb: jax.Array, global_scale: jax.Array,
                            a_KxR: jax.Array, *, config: Nvfp4MatmulConfig, interpret: bool = False,
                            poison: bool = False, layer=None) -> tuple[jax.Array, jax.Array]:
   """`nvfp4_gemv_xa_pallas` without the sums XLA adds after it: (y's partial sums over the K split [S, M, N]
   (float32; x's dtype when S = 1), x @ A's over the extra programs [P, M, r] float32), for a kernel that adds
-  them itself (``qerl_kernels.decode_residual_norm``). Not differentiable: decode steps only."""
-  _check_xa(x_MxK, a_KxR, config)
-  return _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, config, interpret, poison, layer, ([], Epilogue()),
-                 a_KxR, partials=True)
+  them itself (``qerl_kernels.decode_residual_norm``). Not differentiable: decode steps only.
+
+  x_MxK may be a ``decode_residual_norm.PendingNorm`` of [M, K]: the kernel normalizes x as it loads it, for the
+  weight's products and for x @ A alike, and the norm's own launch never runs."""
+  from qerl_kernels.decode_residual_norm import PendingNorm  # pylint: disable=import-outside-toplevel
+  norm = x_MxK if isinstance(x_MxK, PendingNorm) else None
+  x = x_MxK.x_MxD if norm is not None else x_MxK
+  _check_xa(x, a_KxR, config)
+  return _launch(x, packed_NxKh, scale_NxKb, global_scale, config, interpret, poison, layer, ([], Epilogue()),
+                 a_KxR, partials=True, norm=norm)

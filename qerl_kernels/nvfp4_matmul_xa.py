@@ -59,20 +59,26 @@ def nvfp4_matmul_xa_partials(x: jax.Array, q: NVFP4Tensor | mm.Nvfp4Group, a_KxR
                              tiles: bool = False) -> tuple[jax.Array, jax.Array]:
   """The shared launch's outputs before their sums: (y partials [S, M, N], x @ A partials [P, M, r] float32).
 
-  x [..., K] (M rows in all). Only where ``partials_launch_applies`` holds (else ValueError); not differentiable.
+  x [..., K] (M rows in all), or a ``decode_residual_norm.PendingNorm`` of that shape: the gemv then reads the
+  norm of its x (``nvfp4_gemv.NormPlan``) and the norm's own launch never runs (the tile path runs it first).
+  Only where ``partials_launch_applies`` holds (else ValueError); not differentiable.
   A consumer kernel adds the partials (``qerl_kernels.decode_residual_norm``), which saves XLA's kernels for them.
   With ``tiles``, a few-row call that the tile kernels take (3-16 rows on an H200) gives their split-K partials
   and XLA's x @ A as one partial (P = 1): the same consumer kernels then end the step at those rows too.
   """
+  from qerl_kernels.decode_residual_norm import PendingNorm  # pylint: disable=import-outside-toplevel
   mm.check_shapes(x.shape, x.dtype, q, layer)
   k = x.shape[-1]
   cfg = _shared_config(x, q, a_KxR.shape[-1], layer, interpret, fwd_config)
   if cfg is not None:
-    return _partials_launch(x.reshape(-1, k), q, jnp.int32(0) if layer is None else layer, a_KxR, cfg, interpret)
+    x_MxK = x if isinstance(x, PendingNorm) else x.reshape(-1, k)  # a pending norm's x is [M, K] already
+    return _partials_launch(x_MxK, q, jnp.int32(0) if layer is None else layer, a_KxR, cfg, interpret)
   cfg = _tile_config(x, q, layer, interpret, fwd_config) if tiles else None
   if cfg is None:
     raise ValueError(f"x {x.shape} and A {a_KxR.shape} do not share a gemv launch here, and {tiles=} gives no "
                      "tile launch (partials_launch_applies)")
+  if isinstance(x, PendingNorm):
+    x = x.materialize()
   return _tile_partials(x.reshape(-1, k), q, layer, a_KxR, cfg, interpret)
 
 

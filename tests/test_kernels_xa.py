@@ -197,3 +197,39 @@ def test_partials_are_the_shared_launchs_outputs_before_their_sums():
     np.testing.assert_array_equal(np.asarray(parts.astype(jnp.float32).sum(0).astype(jnp.bfloat16), np.float32),
                                   np.asarray(y.reshape(2, n), np.float32), err_msg=f"{seed=}")
     _assert_xa_close(xa_parts[0], x, a, f"{seed=}")
+
+
+@pytest.mark.parametrize("in_place,noise,group", [(True, True, False), (False, False, False), (True, False, True)])
+def test_a_pending_norm_read_by_the_gemv_equals_the_norm_launch_then_the_gemv(in_place, noise, group):
+  # decode_residual_norm.PendingNorm into nvfp4_matmul_xa_partials: the gemv normalizes x as it loads it (for the
+  # weight's products and x @ A) and its partials equal those of the norm's own launch followed by the gemv, bit
+  # for bit (the same float32 steps, rounded to bf16 at the same place). Both x layouts, AQN noise, a group
+  # launch, a K split and two rows.
+  from qerl_kernels.decode_residual_norm import residual_add, residual_norm_reference
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  m, k, rank = 2, 192, 8
+  x = jnp.asarray(rng.standard_normal((m, k)) * 3, jnp.bfloat16)
+  parts = jnp.asarray(rng.standard_normal((3, m, k)), jnp.float32)
+  norm = jnp.asarray(1 + 0.2 * rng.standard_normal(k), jnp.bfloat16)
+  noise_D = jnp.asarray(0.05 * rng.standard_normal(k), jnp.float32) if noise else None
+  pending = residual_add(x, parts, norm, eps=1e-6, noise_D=noise_D, block_d=64, interpret=True)
+  h = pending.materialize()
+  assert pending.shape == h.shape == (m, k) and pending.dtype == jnp.bfloat16
+  _, want_h = residual_norm_reference(x, parts, norm, eps=1e-6, noise_D=noise_D)
+  assert np.mean(np.asarray(h, np.float32) != np.asarray(want_h, np.float32)) < 0.02, f"{seed=}"
+  q = kernels.Nvfp4Group((_random_q(rng, k, 24), _random_q(rng, k, 40))) if group else _random_q(rng, k, 40)
+  a = jnp.asarray(rng.standard_normal((k, rank)) / np.sqrt(k), jnp.float32)
+  cfg = Nvfp4MatmulConfig(block_n=16, block_k=32, split=3, engine="gemv", x_in_place=in_place)
+  got_parts, got_xa = kernels.nvfp4_matmul_xa_partials(pending, q, a, interpret=True, fwd_config=cfg)
+  want_parts, want_xa = kernels.nvfp4_matmul_xa_partials(h, q, a, interpret=True, fwd_config=cfg)
+  np.testing.assert_array_equal(np.asarray(got_parts), np.asarray(want_parts), err_msg=f"{seed=}")
+  np.testing.assert_array_equal(np.asarray(got_xa), np.asarray(want_xa), err_msg=f"{seed=}")
+  # ... and not those of the un-normalized x (a kernel that ignored the norm fails).
+  raw_parts, _ = kernels.nvfp4_matmul_xa_partials(pending.x_MxD, q, a, interpret=True, fwd_config=cfg)
+  assert not np.allclose(np.asarray(raw_parts), np.asarray(want_parts), rtol=0.1), f"{seed=}"
+  # A tile config takes the pending norm too, through the norm's own launch first.
+  tile = Nvfp4MatmulConfig(block_m=16, block_n=16, block_k=32, split=1)
+  got_tile, _ = kernels.nvfp4_matmul_xa_partials(pending, q, a, interpret=True, fwd_config=tile, tiles=True)
+  want_tile, _ = kernels.nvfp4_matmul_xa_partials(h, q, a, interpret=True, fwd_config=tile, tiles=True)
+  np.testing.assert_array_equal(np.asarray(got_tile, np.float32), np.asarray(want_tile, np.float32))

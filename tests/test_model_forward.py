@@ -437,7 +437,8 @@ def test_decode_partials_to_pallas_give_the_xla_decode_logits(monkeypatch, loop)
   # merge q|k|v and gate|up into one launch each, as rollouts do; "per_layer" keeps the q/k norms (Qwen3), so
   # its q|k|v stays with XLA. Logits of a prefill and two decode steps of two rows, with AQN noise on both
   # block norms (large, so that leaving it out, or taking another layer's, shows), equal the XLA path's; the
-  # prefill (8 rows a call) keeps XLA's path.
+  # prefill (8 rows a call) keeps XLA's path. With config.decode_norm_fold the per-layer loops leave those norms
+  # pending for the gemv that reads them (gate|up, the next q|k|v launch), with logits bit-equal to their launch.
   import qerl_kernels as kernels
   from qerl_jax.model.transformer import unstack_layers, with_merged_launches
   per_layer = loop != "scan"
@@ -461,22 +462,30 @@ def test_decode_partials_to_pallas_give_the_xla_decode_logits(monkeypatch, loop)
     return _prefill_then_decode(params, cfg, model.lora_scale, tokens, valid, noise, per_layer)
 
   results = {}
-  for mode in ("xla", "pallas"):
-    cfg = config.replace(gemv_lora_xa=True, decode_partials=mode, decode_attention=attention)
+  for mode in ("xla", "pallas", "fold"):
+    cfg = config.replace(gemv_lora_xa=True, decode_partials="xla" if mode == "xla" else "pallas",
+                         decode_attention=attention, decode_norm_fold=mode == "fold")
     results[mode] = [np.asarray(y, np.float32) for y in jax.jit(lambda p, cfg=cfg: run(cfg))(params)]
     results[mode + "-jaxpr"] = str(jax.make_jaxpr(lambda p, cfg=cfg: run(cfg))(params))
   # (Within the bf16 rounding flips that two orders of the same float32 sums make: the gemv_lora_xa test's
   # 0.02 of the largest logit, halved.)
   for want, got in zip(results["xla"], results["pallas"]):
     np.testing.assert_allclose(got, want, atol=0.01 * np.abs(want).max(), err_msg=f"{seed=}")
-  # Per layer and decode step (the scan traces its body once) two norm kernels and, where gate|up is one launch,
-  # one SwiGLU kernel, and one q|k|v kernel where it applies; none in the prefill or on the XLA path.
-  names = ("residual_norm", "swiglu", "qkv_rows")
-  calls = [len(re.findall(rf"jit\[\s*name={name}\b", results["pallas-jaxpr"])) for name in names]
-  per_step = config.num_layers if per_layer else 1
-  want_calls = [2 * per_step, per_step if per_layer else 0, per_step if loop == "per_layer_qkv" else 0]
-  assert calls == [steps.shape[1] * c for c in want_calls], calls
-  assert not any(f"decode_{name}" in results["xla-jaxpr"] for name in names)
+  for want, got in zip(results["pallas"], results["fold"]):
+    np.testing.assert_array_equal(got, want, err_msg=f"{seed=}")
+  # Per layer and decode step (the scan traces its body once) two residual-add and two norm kernels and, where
+  # gate|up is one launch, one SwiGLU kernel, and one q|k|v kernel where it applies; none in the prefill or on
+  # the XLA path. Folded, a norm launches only where no gemv reads it: the final norm, and (q/k norms: XLA's
+  # q|k|v) each later block's input norm.
+  names = ("residual_add", "pending_norm", "swiglu", "qkv_rows")
+  calls = {mode: [len(re.findall(rf"jit\[\s*name={name}\b", results[mode + "-jaxpr"])) for name in names]
+           for mode in ("pallas", "fold")}
+  per_step, layers = (config.num_layers if per_layer else 1), config.num_layers
+  want_calls = [2 * per_step, 2 * per_step, per_step if per_layer else 0, per_step if loop == "per_layer_qkv" else 0]
+  folded_norms = {"scan": 2, "per_layer": layers, "per_layer_qkv": 1}[loop]
+  assert calls == {"pallas": [steps.shape[1] * c for c in want_calls],
+                   "fold": [steps.shape[1] * c for c in [want_calls[0], folded_norms, *want_calls[2:]]]}, calls
+  assert not any(f"decode_{name}" in results["xla-jaxpr"] for name in ("residual", "swiglu", "qkv_rows"))
 
 
 @pytest.mark.slow  # ~31 s on two cores, for a path that is off by default (config.decode_partials_tiles)

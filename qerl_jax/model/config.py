@@ -76,6 +76,13 @@ class ModelConfig:
   # tile kernels have no x @ A programs), in place of the fused epilogue, XLA's sums of the partials and its
   # SwiGLU / RoPE / norm steps. Off until timed on a GPU (built at 8f7f91c, CPU-checked only).
   decode_partials_tiles: bool = False
+  # With decode_partials on and the unrolled layer loop, the RMSNorm that ends a block (after o_proj and
+  # down_proj) is not launched: the next gemv (gate|up, the next layer's q|k|v) reads the residual stream and
+  # its blocks' sums of squares and normalizes x as it loads it (`qerl_kernels.nvfp4_gemv.NormPlan`), with the
+  # same roundings; wherever that gemv does not apply the norm's own launch runs as before. Two launches fewer
+  # per layer at 1-2 rows; on the CPU (kernel_sass, 7B gate|up at one row) the gemv's K loop grows 412 -> 434
+  # instructions per trip (446 with AQN noise). Off until timed on a GPU.
+  decode_norm_fold: bool = False
   # The rollout's layer loop (`qerl_jax.rollout.engine`): "unrolled" copies, once per rollout, every layer
   # parameter the NVFP4 kernels cannot read in place (16-bit weights, adapters, norms, biases) into its own
   # buffer and keeps the KV cache per layer, so a decode step slices nothing; "scan" slices the stacked

@@ -65,12 +65,14 @@ def lm_head_logits(h_xD: jax.Array, w_VxD: jax.Array) -> jax.Array:
 
 
 def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, h_BxTxD, p, noise, next_norm, cos, sin, mask_BxTxS, kv,
-           layer, cache_index):
+           layer, cache_index, fold_norm: bool = False):
   """One decoder block: (x, h_next, kv). h_BxTxD: x under this block's input_layernorm. next_norm: (scale,
   AQN noise or None) of the norm after the block (the next block's input_layernorm, or the final norm), so
   h_next is the next block's input: at a decode step the kernel that ends the block applies it
   (`_residual_norm`). kv: None (no cache), the stacked (k, v) caches [L, B, S, Hkv, Dh] to update at
-  `layer`, or this layer's own (k, v) [B, S, Hkv, Dh]."""
+  `layer`, or this layer's own (k, v) [B, S, Hkv, Dh]. fold_norm (ModelConfig.decode_norm_fold): the block's
+  norms may stay pending (`qerl_kernels.decode_residual_norm.PendingNorm`) for the gemv that reads them, so
+  h_BxTxD and h_next may be pending norms rather than arrays (`_materialized` makes them arrays)."""
   b, t, _ = x_BxTxD.shape
   fused = config.fused_lora and b * t <= config.fused_lora_max_rows  # static: decode calls only
   gemv_xa = config.gemv_lora_xa
@@ -83,6 +85,7 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, h_BxTxD, p, noise, n
   rows = (_decode_qkv_rows(config, lora_scale, h_BxTxD, p, merged.get("qkv"), cos, sin, kv[0].dtype, gemv_xa)
           if pallas_attention else None)
   if rows is None:
+    h_BxTxD = _materialized(h_BxTxD)
     q, k, v = linears(h_BxTxD, [p["q_proj"], p["k_proj"], p["v_proj"]], lora_scale, fused, gemv_xa,
                       shared_a.get("qkv"), merged.get("qkv"))
     q = q.reshape(b, t, config.num_heads, config.head_dim)
@@ -124,12 +127,17 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, h_BxTxD, p, noise, n
       k_all, v_all = k_all[:, :mask_BxTxS.shape[-1]], v_all[:, :mask_BxTxS.shape[-1]]
       o = attn.attend(q, k_all, v_all, mask_BxTxS, config.attn_query_chunk)
   x_BxTxD, h_BxTxD = _residual_norm(config, lora_scale, x_BxTxD, o, p["o_proj"], p["post_attention_layernorm"],
-                                    noise.get("post_attention_layernorm"), fused, gemv_xa, decode)
+                                    noise.get("post_attention_layernorm"), fused, gemv_xa, decode, fold_norm)
   m = _swiglu(config, lora_scale, h_BxTxD, p, shared_a.get("gate_up"), merged.get("gate_up"), fused, gemv_xa, decode,
               x_BxTxD.dtype)
   x_BxTxD, h_next = _residual_norm(config, lora_scale, x_BxTxD, m, p["down_proj"], *next_norm, fused, gemv_xa,
-                                   decode)
+                                   decode, fold_norm)
   return x_BxTxD, h_next, kv
+
+
+def _materialized(h):
+  """h as an array: a pending norm (`qerl_kernels.decode_residual_norm.PendingNorm`) gets its own launch."""
+  return h.materialize() if hasattr(h, "materialize") else h
 
 
 def _partials_to_pallas(config: ModelConfig, decode: bool, gemv_xa: bool) -> tuple[bool, bool]:
@@ -179,27 +187,29 @@ def _swiglu(config: ModelConfig, lora_scale: float, h_BxTxD: jax.Array, p, a_KxR
                    b_up_RxN=up["lora_b"], lora_scale=lora_scale, bias_gate_N=gate.get("b"), bias_up_N=up.get("b"),
                    interpret=interpret)
     return m_MxN.reshape(*h_BxTxD.shape[:-1], n)
+  h_BxTxD = _materialized(h_BxTxD)
   g, u = (y.astype(jnp.float32) for y in linears(h_BxTxD, [gate, up], lora_scale, fused, gemv_xa, a_KxRs, merged))
   return (jax.nn.silu(g) * u).astype(dtype)
 
 
 def _residual_norm(config: ModelConfig, lora_scale: float, x_BxTxD: jax.Array, in_BxTxK: jax.Array, proj, norm_D,
-                   noise_D, fused: bool, gemv_xa: bool, decode: bool) -> tuple[jax.Array, jax.Array]:
+                   noise_D, fused: bool, gemv_xa: bool, decode: bool, fold_norm: bool = False):
   """(x + proj(in), the RMSNorm (norm_D + noise_D) of it). At a decode step whose gemv computes the adapter's
   x @ A, with config.decode_partials on, one kernel adds the gemv's partial sums, bias and adapter term to the
-  residual and normalizes (qerl_kernels/decode_residual_norm.py), with the same roundings."""
+  residual and normalizes (qerl_kernels/decode_residual_norm.py), with the same roundings; with ``fold_norm``
+  the norm is left pending (`_layer`) for the gemv that reads it."""
   eps = config.rms_norm_eps
   pallas, interpret = _partials_to_pallas(config, decode, gemv_xa)
   if (pallas and in_BxTxK.dtype == x_BxTxD.dtype
       and linear_lib.partials_apply(in_BxTxK, proj, config.decode_partials_tiles)):
-    from qerl_kernels.decode_residual_norm import residual_norm  # pylint: disable=import-outside-toplevel
+    from qerl_kernels.decode_residual_norm import residual_add  # pylint: disable=import-outside-toplevel
     parts_SxMxD, xa_PxMxR = linear_lib.base_matmul_xa_partials(in_BxTxK, proj["w"], proj["lora_a"],
                                                                 config.decode_partials_tiles)
     shape = x_BxTxD.shape
-    x_MxD, h_MxD = residual_norm(x_BxTxD.reshape(-1, shape[-1]), parts_SxMxD, norm_D, eps=eps, xa_PxMxR=xa_PxMxR,
-                                 b_RxD=proj["lora_b"], lora_scale=lora_scale, bias_D=proj.get("b"), noise_D=noise_D,
-                                 interpret=interpret)
-    return x_MxD.reshape(shape), h_MxD.reshape(shape)
+    pending = residual_add(x_BxTxD.reshape(-1, shape[-1]), parts_SxMxD, norm_D, eps=eps, xa_PxMxR=xa_PxMxR,
+                           b_RxD=proj["lora_b"], lora_scale=lora_scale, bias_D=proj.get("b"), noise_D=noise_D,
+                           interpret=interpret, shape=shape)
+    return pending.x_MxD.reshape(shape), pending if fold_norm else pending.materialize()
   x_BxTxD = x_BxTxD + linear(in_BxTxK, proj, lora_scale, fused, gemv_xa=gemv_xa)
   return x_BxTxD, attn.rms_norm(x_BxTxD, norm_D, eps, noise_D)
 
@@ -264,16 +274,19 @@ def forward(params: dict[str, Any], config: ModelConfig, lora_scale: float, toke
   cos, sin = attn.rope_cos_sin(config, positions_BxT)
   x = jnp.take(params["embed_tokens"], tokens_BxT, axis=0).astype(config.dtype)
 
+  # The scan's carry must keep one structure, so only the unrolled loop leaves norms pending.
+  unrolled = isinstance(params["layers"], (list, tuple))
+  fold_norm = config.decode_norm_fold and unrolled and cache is not None
+
   def layer_fn(x, h, kv, p, layer_noise, next_norm, layer):
     return _layer(config, lora_scale, x, h, p, layer_noise, next_norm, cos, sin, mask_BxTxS, kv, layer,
-                  cache_index)
+                  cache_index, fold_norm)
 
   if config.remat:
     layer_fn = jax.checkpoint(layer_fn, policy=getattr(jax.checkpoint_policies, config.remat_policy))
   kv = None if cache is None else (cache["k"], cache["v"])
   # Each block ends with the norm after it (the next block's input norm, the final one last), so h is always
   # the next block's input: one decode kernel can end a block and normalize for the next (`_residual_norm`).
-  unrolled = isinstance(params["layers"], (list, tuple))
   first_norm = params["layers"][0]["input_layernorm"] if unrolled else params["layers"]["input_layernorm"][0]
   first_noise = noise["input_layernorm"][0] if "input_layernorm" in noise else None
   h = attn.rms_norm(x, first_norm, config.rms_norm_eps, first_noise)
@@ -281,6 +294,7 @@ def forward(params: dict[str, Any], config: ModelConfig, lora_scale: float, toke
     _, h, kv = _unrolled(layer_fn, x, h, kv, params["layers"], noise, params["norm"])
   else:
     _, h, kv = _scanned(layer_fn, x, h, kv, params["layers"], noise, params["norm"], config.num_layers)
+  h = _materialized(h)
   out = h if return_hidden else lm_head_logits(h, _lm_head(params))
   if cache is None:
     return out
