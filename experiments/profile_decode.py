@@ -202,7 +202,7 @@ def run(args):
   for quant in args.quants:
     base = synthetic_base(model_config(args.model), quant)
     # bf16 has no kernel epilogue and nothing to merge
-    variants = [(a, l, f, g, t, pt) for l in args.decode_layers for a in args.decode_attention
+    variants = [(a, l, f, g, t, pt, nf) for l in args.decode_layers for a in args.decode_attention
                 for f in (args.lora_epilogue if quant == "nvfp4" else ["xla"])
                 for g in (args.merged_launches if quant == "nvfp4" else ["none"])
                 for t in (args.tunings if quant == "nvfp4" else [""])
