@@ -233,3 +233,25 @@ def test_a_pending_norm_read_by_the_gemv_equals_the_norm_launch_then_the_gemv(in
   got_tile, _ = kernels.nvfp4_matmul_xa_partials(pending, q, a, interpret=True, fwd_config=tile, tiles=True)
   want_tile, _ = kernels.nvfp4_matmul_xa_partials(h, q, a, interpret=True, fwd_config=tile, tiles=True)
   np.testing.assert_array_equal(np.asarray(got_tile, np.float32), np.asarray(want_tile, np.float32))
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_the_gemv_reading_a_pending_norm_lowers_to_one_triton_kernel(in_place):
+  # The Pallas -> Triton step interpret mode skips, for a CUDA GPU: the norm's scale and noise planes (strided
+  # loads in place, or the planes layout) and the per-row 1 / rms before the K loop, in the H200's gemv config.
+  from qerl_kernels.decode_residual_norm import PendingNorm
+  from tests.triton_lowering import lower_for_cuda
+  m, k = 2, 256
+  q = _random_q(np.random.default_rng(fresh_seed()), k, 96)
+  cfg = Nvfp4MatmulConfig(block_n=16, block_k=128, split=2, engine="gemv", dequant="asm_fma", x_in_place=in_place)
+
+  def f(x, ss, scale, noise, a, *w):
+    pending = PendingNorm(x, ss, scale, noise, eps=1e-6, shape=(m, k), block_d=128, num_warps=2, interpret=False)
+    return nvfp4_gemv.nvfp4_gemv_xa_partials(pending, *w, a, config=cfg)
+
+  args = (jnp.ones((m, k), jnp.bfloat16), jnp.ones((m, 2), jnp.float32), jnp.ones((k,), jnp.bfloat16),
+          jnp.ones((k,), jnp.float32), jnp.ones((k, 16), jnp.float32), q.packed_NxKh, q.scale_NxKb, q.global_scale)
+  text, module = lower_for_cuda(f, *args)
+  assert text.count("__gpu$xla.gpu.triton") == 1 and "nvfp4_gemv_xa" in text, text[:2000]
+  assert "module @" in module and '"builtin.module"' not in module, module[-3000:]
+  assert module.count("rsqrt") >= 2, module[-3000:]  # the row's 1 / rms (libdevice's rsqrtf)
