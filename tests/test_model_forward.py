@@ -137,6 +137,17 @@ def test_norm_noise_is_added_to_the_norm_scales_in_float32():
   np.testing.assert_array_equal(noisy, folded, err_msg=f"{seed=}")
   clean = np.asarray(model(tokens))
   assert np.abs(noisy - clean).max() > 1e-3  # the noise reached the output
+  # What the rollout does once before its decode loop (`with_norm_noise`): float32 scale + noise in place of each
+  # noised scale, stacked or per layer, and no noise passed: the same float32 values, so the same logits as the
+  # same layers given the noise (the unrolled loop's XLA program is another, so it is compared with itself).
+  from qerl_jax.model.transformer import unstack_layers, with_norm_noise
+  params = model.params()
+  for layers in (params, unstack_layers(params)):
+    want = np.asarray(forward(layers, config, model.lora_scale, tokens, norm_noise=noise))
+    got = np.asarray(forward(with_norm_noise(layers, config, noise), config, model.lora_scale, tokens))
+    np.testing.assert_array_equal(got, want, err_msg=f"{seed=}")
+    assert np.abs(want - clean).max() > 1e-3
+  assert with_norm_noise(params, config, None) is params
   # A tiny sigma survives: in bf16 the add 1 + 1e-4 would round away entirely.
   tiny = {key: jnp.full_like(value, 1e-4 if key == "input_layernorm" else 0.0) for key, value in noise.items()}
   assert np.abs(np.asarray(model(tokens, norm_noise=tiny)) - clean).max() > 0

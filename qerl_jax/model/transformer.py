@@ -362,6 +362,31 @@ def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
   return {**params, "layers": per_layer}
 
 
+def with_norm_noise(params: dict[str, Any], config: ModelConfig,
+                    norm_noise: dict[str, jax.Array] | None) -> dict[str, Any]:
+  """`params` with each noised RMSNorm scale replaced by scale + noise in float32 (`forward`'s norm_noise, added
+  once, as `attention.rms_norm` adds it: the same float32 values), so a forward over them takes no noise.
+
+  The rollout does this once before its decode loop: every norm launch, and a gemv that reads a pending norm
+  (ModelConfig.decode_norm_fold), then loads one float32 scale per column instead of a scale and its noise.
+  Stacked layers ([L, D] scales) and per-layer ones (`unstack_layers`) alike.
+  """
+  noise = _check_noise(config, norm_noise)
+  if not noise:
+    return params
+  layers = params["layers"]
+
+  def noised(scale, value):
+    return scale.astype(jnp.float32) + value
+
+  if isinstance(layers, dict):
+    layers = {**layers, **{name: noised(layers[name], value) for name, value in noise.items()}}
+  else:
+    layers = [{**p, **{name: noised(p[name], value[index]) for name, value in noise.items()}}
+              for index, p in enumerate(layers)]
+  return {**params, "layers": layers}
+
+
 def with_adapter_dtype(params: dict[str, Any], dtype) -> dict[str, Any]:
   """`params` with every layer's LoRA A and B cast to `dtype` (the rest untouched)."""
   def cast(p):

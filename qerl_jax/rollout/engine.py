@@ -16,7 +16,7 @@ from flax import nnx, struct
 
 from qerl_jax.model import init_cache
 from qerl_jax.model.transformer import (forward, unstack_layers, with_adapter_dtype, with_dequantized_base,
-                                        with_merged_launches)
+                                        with_merged_launches, with_norm_noise)
 from qerl_jax.rollout.sampling import SamplingParams, sample
 
 # Incremented each time the decode program is traced: the tests assert one trace per bucket.
@@ -46,10 +46,12 @@ def prompt_positions(valid_BxP: jax.Array) -> jax.Array:
   return jnp.maximum(jnp.cumsum(valid_BxP.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def rollout_params(params, config):
-  """The model's params as the decode loop takes them, made once per rollout before it: the adapters in
-  `rollout_lora_dtype`, per-layer buffers (`decode_layers="unrolled"`), the base in `rollout_base_dtype`, and
-  the merged launches of `merged_launch_groups` (ModelConfig)."""
+def rollout_params(params, config, norm_noise=None):
+  """The model's params as the decode loop takes them, made once per rollout before it: the AQN noise added to
+  its norm scales (`with_norm_noise`), the adapters in `rollout_lora_dtype`, per-layer buffers
+  (`decode_layers="unrolled"`), the base in `rollout_base_dtype`, and the merged launches of
+  `merged_launch_groups` (ModelConfig)."""
+  params = with_norm_noise(params, config, norm_noise)
   if config.rollout_lora_dtype:
     params = with_adapter_dtype(params, config.rollout_lora_dtype)
   if config.decode_layers == "unrolled":  # one copy per rollout, not a slice (copy) of each stack per token
@@ -76,9 +78,9 @@ def rollout(graphdef, state, prompt_BxP, valid_BxP, key, norm_noise=None, *, sam
   config = model.config
   batch, prompt_len = prompt_BxP.shape
   cache_len = prompt_len + max_new_tokens
-  params = rollout_params(model.params(), config)
+  params = rollout_params(model.params(), config, norm_noise)  # the noise is in the norm scales from here on
   per_layer = config.decode_layers == "unrolled"
-  fwd = functools.partial(forward, params, config, model.lora_scale, norm_noise=norm_noise)
+  fwd = functools.partial(forward, params, config, model.lora_scale)
   cache = init_cache(config, batch, cache_len, config.dtype, per_layer=per_layer)
   valid_BxS = jnp.concatenate([valid_BxP, jnp.ones((batch, max_new_tokens), bool)], axis=1)
   real_len_B = valid_BxP.sum(axis=-1).astype(jnp.int32)
