@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from qerl_kernels import nvfp4_epilogue, nvfp4_tile
+from qerl_kernels.decode_residual_norm import PendingNorm, normalized, row_inv_rms
 from qerl_kernels.config import GEMV_MAX_ROWS, Nvfp4MatmulConfig
 from qerl_kernels.nvfp4_epilogue import Epilogue
 
@@ -173,7 +174,6 @@ def x_source(x_ref, rows: int, x_in_place: bool, norm: NormPlan | None = None, n
   RMSNorm. Each row's 1 / rms is computed here, once per program, before any K loop."""
   if norm is None:
     return lambda r, blocks: x_planes(x_ref, jnp.int32(r), blocks, x_in_place)
-  from qerl_kernels.decode_residual_norm import normalized, row_inv_rms  # pylint: disable=import-outside-toplevel
   ss_ref, w_ref, *noise_ref = norm_refs
   invs = [row_inv_rms(ss_ref, jnp.int32(r), blocks=norm.blocks, d=norm.d, eps=norm.eps) for r in range(rows)]
 
@@ -446,7 +446,6 @@ def nvfp4_gemv_xa_partials(x_MxK, packed_NxKh: jax.Array, scale_NxKb: jax.Array,
 
   x_MxK may be a ``decode_residual_norm.PendingNorm`` of [M, K]: the kernel normalizes x as it loads it, for the
   weight's products and for x @ A alike, and the norm's own launch never runs."""
-  from qerl_kernels.decode_residual_norm import PendingNorm  # pylint: disable=import-outside-toplevel
   norm = x_MxK if isinstance(x_MxK, PendingNorm) else None
   x = x_MxK.x_MxD if norm is not None else x_MxK
   _check_xa(x, a_KxR, config)
