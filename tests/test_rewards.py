@@ -218,3 +218,20 @@ def test_compute_rewards_registry(gsm8k_golds):
     R.compute_rewards(completions, golds, {"gsm8k": 1.0})
   with pytest.raises(ValueError, match="len"):
     R.compute_rewards(completions, golds[:2], R.GSM8K_WEIGHTS)
+
+
+@pytest.mark.parametrize("answer,gold,want", [
+  ("40_9", "40", 0.0),  # math-verify alone reads 40_9 as 40 (a MATH-500 pair that failed seed 1251731463)
+  ("40", "40_9", 0.0),
+  ("36", "40_9", 0.0),  # the same value in base 10 is not the base-9 answer asked for
+  ("40_{9}", "40_9", 1.0),
+  ("4210_5", "4210_{5}", 1.0),
+  ("40_{10}", "40", 1.0),  # base 10 written out
+  ("52_8", "52_9", 0.0),
+  ("x_1", "x_1", 1.0),  # subscripts that are not bases are math-verify's to compare
+  ("x_2", "x_1", 0.0),
+])
+def test_math_numerals_with_a_base_subscript_match_only_in_that_base(answer, gold, want):
+  for completion in (f"<answer>\\boxed{{{answer}}}</answer>", f"<answer>${answer}$</answer>",
+                     f"Therefore the answer is $\\boxed{{{answer}}}$."):
+    assert R.math_equivalence(completion, gold) == want, (completion, gold)

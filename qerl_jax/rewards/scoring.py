@@ -145,6 +145,22 @@ def _math_candidate(completion: str) -> Tuple[Optional[str], bool]:
   return last_boxed(completion), True
 
 
+# A whole answer that is a numeral with its base as a subscript, as MATH writes them: 40_9, 4210_{5}.
+_BASE_NUMERAL = re.compile(r"^\s*\$?\s*([0-9A-Za-z]+)\s*_\s*\{?\s*(\d+)\s*\}?\s*\$?\s*$")
+
+
+def _numeral_base(answer: str) -> Optional[int]:
+  """The base of an answer written as a numeral with a base subscript (2-36, every digit valid in it), else
+  None. math-verify reads 40_9 as the number 40, so an answer in another base (or none: 10) would match it."""
+  match = _BASE_NUMERAL.match(answer)
+  if not match:
+    return None
+  digits, base = match.group(1), int(match.group(2))
+  if not 2 <= base <= 36 or any(int(c, 36) >= base for c in digits):
+    return None
+  return base
+
+
 def math_equivalence(completion: str, gold: str) -> float:
   """1.0 if math-verify finds the completion's answer equivalent to the gold LaTeX answer, else 0.0.
 
@@ -161,6 +177,9 @@ def math_equivalence(completion: str, gold: str) -> float:
       return 0.0
     candidate, from_box = _math_candidate(completion)
     if not candidate or len(candidate) > MAX_ANSWER_CHARS:
+      return 0.0
+    bases = _numeral_base(gold), _numeral_base(candidate)
+    if bases != (None, None) and (bases[0] or 10) != (bases[1] or 10):  # 40_9 is not 40
       return 0.0
     from math_verify import verify
     from math_verify.errors import TimeoutException
