@@ -8,9 +8,11 @@
 2. decode_attention at 7B's heads over a 1280-slot cache, 776 slots visible (mid-rollout), at 1, 8 and 64 rows,
    with the tuned splits and with one 64-slot block per split, against the model's XLA attention in float32:
    the largest error over the largest output (splits change the order of the softmax's sums, so not bit-equal).
-3. A small random NVFP4 Qwen2-style model, per-layer loop with q|k|v and gate|up merged as rollouts run it:
+3. The norm fold (ModelConfig.decode_norm_fold): the gate|up group gemv reading a pending RMSNorm against the
+   norm's own launch followed by the same gemv, at 7B's shapes, one and two rows (bit-equal expected).
+4. A small random NVFP4 Qwen2-style model, per-layer loop with q|k|v and gate|up merged as rollouts run it:
    logits of a prefill and decode steps with config.decode_partials "xla" against "pallas" (the Pallas decode
-   attention in both), and how many of each kernel the decode step traced.
+   attention in both) and "pallas" with the norm fold, and how many of each kernel the decode step traced.
 """
 
 from __future__ import annotations
@@ -76,6 +78,31 @@ def kernel_checks(rng, interpret: bool, small: bool) -> dict:
   return out
 
 
+def norm_fold_checks(rng, interpret: bool, small: bool) -> dict:
+  """The gate|up group launch's partials from a pending norm against those of the norm's launch, then the
+  launch (x @ A's partials too): bit-equal unless the two kernels sum the blocks' squares in another order."""
+  import qerl_kernels as kernels
+  from qerl_kernels.decode_residual_norm import residual_add
+  from qerl_jax.quant import api as quant_api
+  d, n = (64, 96) if small else (3584, 18944)
+  group = kernels.Nvfp4Group(tuple(quant_api.quantize(jnp.asarray(rng.standard_normal((d, n)) * 0.02, jnp.bfloat16),
+                                                      "nvfp4") for _ in range(2)))
+  a = jnp.asarray(rng.standard_normal((d, 32)) / np.sqrt(d), jnp.bfloat16)
+  out = {}
+  for m in (1, 2):
+    pending = residual_add(jnp.asarray(rng.standard_normal((m, d)) * 4, jnp.bfloat16),
+                           jnp.asarray(rng.standard_normal((5, m, d)), jnp.float32),
+                           jnp.asarray(1 + 0.1 * rng.standard_normal(d), jnp.bfloat16), eps=1e-6,
+                           noise_D=jnp.asarray(1e-2 * rng.standard_normal(d), jnp.float32), interpret=interpret)
+    got = kernels.nvfp4_matmul_xa_partials(pending, group, a, interpret=interpret)
+    want = kernels.nvfp4_matmul_xa_partials(pending.materialize(), group, a, interpret=interpret)
+    for name, g, w in zip(("y", "xa"), got, want):
+      g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+      out[f"norm_fold_m{m}_{name}"] = dict(max_abs_over_max=float(np.abs(g - w).max() / np.abs(w).max()),
+                                          frac_differ=float((g != w).mean()))
+  return out
+
+
 def attention_checks(rng, interpret: bool, small: bool) -> dict:
   from qerl_kernels.decode_attention import decode_attention
   from qerl_jax.model import attention as attn
@@ -101,10 +128,12 @@ def model_check(seed: int, interpret: bool) -> dict:
   import qerl_kernels as kernels
   from qerl_jax.model import LoraConfig, ModelConfig, Transformer, init_cache, random_base
   from qerl_jax.model.transformer import forward, unstack_layers, with_merged_launches
-  if interpret:  # the gemv launches' interpret mode, as the tests run them
+  patched = {}
+  if interpret:  # the gemv launches' interpret mode, as the tests run them (put back on return)
     import functools
     for name in ("nvfp4_matmul_xa", "xa_shares_launch", "nvfp4_matmul_xa_partials", "partials_launch_applies"):
-      setattr(kernels, name, functools.partial(getattr(kernels, name), interpret=True))
+      patched[name] = getattr(kernels, name)
+      setattr(kernels, name, functools.partial(patched[name], interpret=True))
   config = ModelConfig(arch="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000.0, dtype="bfloat16",
                        qkv_bias=True, gemv_lora_xa=True, decode_attention="pallas")
@@ -131,14 +160,21 @@ def model_check(seed: int, interpret: bool) -> dict:
     return out
 
   logits, jaxprs = {}, {}
-  for mode in ("xla", "pallas"):
-    cfg = config.replace(decode_partials=mode)
+  for mode in ("xla", "pallas", "fold"):
+    cfg = config.replace(decode_partials="xla" if mode == "xla" else "pallas", decode_norm_fold=mode == "fold")
     logits[mode] = [np.asarray(y, np.float32) for y in jax.jit(lambda p, cfg=cfg: run(cfg))(params)]
     jaxprs[mode] = str(jax.make_jaxpr(lambda p, cfg=cfg: run(cfg))(params))
-  worst = max(float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(logits["pallas"], logits["xla"]))
-  calls = {name: len(re.findall(rf"jit\[\s*name={name}\b", jaxprs["pallas"]))
-           for name in ("residual_norm", "swiglu", "qkv_rows")}
-  return dict(max_abs_over_max_logit=worst, kernels_traced=calls,
+  for name, fn in patched.items():
+    setattr(kernels, name, fn)
+
+  def apart(a, b):
+    return max(float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(logits[a], logits[b]))
+
+  names = ("residual_add", "pending_norm", "swiglu", "qkv_rows")
+  calls = {mode: {name: len(re.findall(rf"jit\[\s*name={name}\b", jaxprs[mode])) for name in names}
+           for mode in ("pallas", "fold")}
+  return dict(max_abs_over_max_logit=apart("pallas", "xla"), fold_max_abs_over_max_logit=apart("fold", "pallas"),
+              kernels_traced=calls["pallas"], fold_kernels_traced=calls["fold"],
               same_argmax=bool(all((g.argmax(-1) == w.argmax(-1)).all()
                                    for g, w in zip(logits["pallas"], logits["xla"]))))
 
@@ -157,6 +193,7 @@ def main(argv=None):
                      for name in ("residual_norm", "swiglu", "qkv_rows", "attention")},
              kernels=kernel_checks(np.random.default_rng(args.seed), interpret, small=interpret),
              attention=attention_checks(np.random.default_rng(args.seed + 1), interpret, small=interpret),
+             norm_fold=norm_fold_checks(np.random.default_rng(args.seed + 2), interpret, small=interpret),
              model=model_check(args.seed, interpret))
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
@@ -166,8 +203,11 @@ def main(argv=None):
     print(f"{name:24s} max {r['max_ulps']:6.2f} ulps, {100 * r['frac_differ']:6.3f}% differ")
   for name, r in rec["attention"].items():
     print(f"{name:24s} max error {r['max_err_over_max']:.2e} of the largest output")
+  for name, r in rec["norm_fold"].items():
+    print(f"{name:24s} max {r['max_abs_over_max']:.2e} of the largest apart, {100 * r['frac_differ']:6.3f}% differ")
   print(f"model: logits {rec['model']['max_abs_over_max_logit']:.2e} of the largest apart, same argmax "
-        f"{rec['model']['same_argmax']}, traced {rec['model']['kernels_traced']}")
+        f"{rec['model']['same_argmax']}, traced {rec['model']['kernels_traced']}; with the norm fold "
+        f"{rec['model']['fold_max_abs_over_max_logit']:.2e} from pallas's, traced {rec['model']['fold_kernels_traced']}")
 
 
 if __name__ == "__main__":

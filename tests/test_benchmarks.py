@@ -447,7 +447,8 @@ def test_ncu_gemv_harness_runs_both_kernels(capsys):
 @pytest.mark.slow  # ~35 s on 2 cores (the small model's interpret-mode kernels); run with `pytest -m slow`
 def test_check_decode_kernels_finds_the_kernels_equal_to_their_references(tmp_path):
   # The GPU check's CPU run (interpret mode, small shapes): each kernel equals its reference bit for bit here,
-  # and the small model's decode step traced every kernel (2 norms, 1 SwiGLU, 1 q|k|v per layer and step).
+  # and the small model's decode step traced every kernel (2 residual adds and norms, 1 SwiGLU, 1 q|k|v per layer
+  # and step: 2 layers, 4 steps).
   out = tmp_path / "check.json"
   subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "check_decode_kernels.py"), "--seed", "3",
                   "--out", str(out)], check=True, cwd=ROOT, env=dict(os.environ, QERL_COMMIT="test"),
@@ -460,7 +461,13 @@ def test_check_decode_kernels_finds_the_kernels_equal_to_their_references(tmp_pa
   assert {name: r["max_ulps"] for name, r in rec["kernels"].items()} == {
     f"{kernel}_m{m}{part}": 0.0 for m in (1, 2)
     for kernel, parts in (("residual_norm", ("_x", "_h")), ("swiglu", ("",)), ("qkv_rows", ("",))) for part in parts}
-  assert rec["model"]["kernels_traced"] == {"residual_norm": 16, "swiglu": 8, "qkv_rows": 8}
+  assert rec["model"]["kernels_traced"] == {"residual_add": 16, "pending_norm": 16, "swiglu": 8, "qkv_rows": 8}
+  # With the norm fold only the final norm launches (q|k|v and gate|up read the others), with the same logits;
+  # the gate|up launch's partials from a pending norm equal the norm launch's then the launch's.
+  assert rec["model"]["fold_kernels_traced"] == {"residual_add": 16, "pending_norm": 4, "swiglu": 8, "qkv_rows": 8}
+  assert rec["model"]["fold_max_abs_over_max_logit"] == 0.0
+  assert sorted(rec["norm_fold"]) == [f"norm_fold_m{m}_{p}" for m in (1, 2) for p in ("xa", "y")]
+  assert all(r["frac_differ"] == 0.0 for r in rec["norm_fold"].values()), rec["norm_fold"]
   # decode attention against the model's float32 attention: bf16 probabilities times v, ~1e-3 of the output
   assert sorted(rec["attention"]) == [f"attention_b{b}_{label}" for b in (1, 3)
                                       for label in ("block_per_split", "tuned")]
