@@ -207,7 +207,8 @@ def main(argv=None):
     print(f"{name:24s} max {r['max_abs_over_max']:.2e} of the largest apart, {100 * r['frac_differ']:6.3f}% differ")
   print(f"model: logits {rec['model']['max_abs_over_max_logit']:.2e} of the largest apart, same argmax "
         f"{rec['model']['same_argmax']}, traced {rec['model']['kernels_traced']}; with the norm fold "
-        f"{rec['model']['fold_max_abs_over_max_logit']:.2e} from pallas's, traced {rec['model']['fold_kernels_traced']}")
+        f"{rec['model']['fold_max_abs_over_max_logit']:.2e} from pallas's, "
+        f"traced {rec['model']['fold_kernels_traced']}")
 
 
 if __name__ == "__main__":
