@@ -533,12 +533,13 @@ def test_decode_partials_tiles_give_the_same_decode_logits_at_tile_rows(monkeypa
     results[f"{tiles}-jaxpr"] = str(jax.make_jaxpr(lambda p, cfg=cfg: run(cfg))(params))
   for want, got in zip(results[False], results[True]):
     np.testing.assert_allclose(got, want, atol=0.01 * np.abs(want).max(), err_msg=f"{seed=}")
-  names = ("residual_norm", "swiglu", "qkv_rows")
+  names = ("residual_add", "pending_norm", "swiglu", "qkv_rows")
   calls = {tiles: [len(re.findall(rf"jit\[\s*name={name}\b", results[f"{tiles}-jaxpr"])) for name in names]
            for tiles in (False, True)}
   layers, decode_steps = config.num_layers, steps.shape[1]
-  assert calls == {False: [0, 0, 0], True: [(decode_steps + 1) * 2 * layers, (decode_steps + 1) * layers,
-                                            decode_steps * layers]}, calls
+  norms = (decode_steps + 1) * 2 * layers
+  assert calls == {False: [0, 0, 0, 0], True: [norms, norms, (decode_steps + 1) * layers,
+                                               decode_steps * layers]}, calls
 
 
 def test_decode_qkv_rows_are_the_xla_steps_rows(monkeypatch):
