@@ -5,7 +5,9 @@ K split, and its LoRA x @ A as partial sums of the extra programs (``nvfp4_gemv.
 ran four small kernels per layer for each: the x @ A sum, the partials' sum with the adapter's (x @ A) @ B and
 the residual add, the norm's sum of squares, and the normalization (~6.3 us per layer after o_proj at aaa1393,
 ``experiments/results/decode_profile_hlo_aaa1393.txt``). Here the first kernel's programs each finish a block of
-columns of x + y and its sum of squares; the second normalizes each block with the row's total.
+columns of x + y and its sum of squares; the second normalizes each block with the row's total. The two are
+separate calls (``residual_add`` returns a ``PendingNorm``; ``pending_norm`` launches it), so a decode gemv can
+read the pending norm and normalize x as it loads it instead (ModelConfig.decode_norm_fold).
 
 Rounding follows the unfused model exactly (``residual_norm_reference``): the partials' sum is rounded to x's
 dtype, then the bias and the adapter's term are added, each rounded as `qerl_jax.model.linear._add_terms` does,
