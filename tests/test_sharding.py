@@ -96,8 +96,14 @@ def test_local_bytes_counts_one_shard():
 
 # ---------------------------------------------------------------- the 8-device subprocess
 
+def _eight_device_env() -> dict:
+  """This environment plus 8 virtual CPU devices; keeps the suite's XLA flags (conftest's compile level)."""
+  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  return dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
+
+
 def test_sharded_update_equals_unsharded_on_8_cpu_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = _eight_device_env()
   proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
                         timeout=300, cwd=ROOT)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -361,7 +367,7 @@ if __name__ == "__main__":
 
 
 def test_loading_with_a_mesh_writes_into_the_shards():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = _eight_device_env()
   proc = subprocess.run([sys.executable, os.path.abspath(__file__), "loading"], env=env, capture_output=True,
                         text=True, timeout=300, cwd=ROOT)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -371,7 +377,7 @@ def test_loading_with_a_mesh_writes_into_the_shards():
 
 
 def _run_on_8_devices(*args, timeout=300):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = _eight_device_env()
   proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
   return proc
