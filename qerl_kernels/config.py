@@ -1,8 +1,8 @@
 """Tile configurations for the NVFP4 matmul kernels: a frozen dataclass, heuristic defaults, tuned data.
 
 Tuned values are data, not literals: ``qerl_kernels/tuning/<device kind>.json`` (e.g. ``nvidia_h200.json`` for
-jax's device_kind 'NVIDIA H200') holds a list of entries ``{"direction": "fwd"|"bwd", "max_rows": R,
-"config": {...}}``; the first entry of the right direction whose ``max_rows`` covers the row count wins,
+jax's device_kind 'NVIDIA H200'; the H100 and H800 read the H200's) holds a list of entries
+``{"direction": "fwd"|"bwd", "max_rows": R, "config": {...}}``; the first entry of the right direction whose ``max_rows`` covers the row count wins,
 and any field it leaves out comes from the heuristic. Shapes are always re-fitted (``fit``) so that a tuned
 entry can never produce an invalid launch.
 """
@@ -291,9 +291,24 @@ def device_kind() -> str:
   return jax.devices()[0].device_kind
 
 
+# Device kinds without a file of their own that take another's: the H100 and H800 are the H200's chip (sm_90: the
+# same SMs, registers and shared memory) with less and slower memory. On an H100 SXM (2026-12-05, 7B NVFP4 decode,
+# profile_decode) the H200 file took the kernel ms per step from the defaults' 4.40 / 7.17 / 9.59 to 3.01 / 3.91 /
+# 8.01 at batch 1 / 8 / 64, with the H200's output digests.
+_SAME_CHIP = {"nvidia_h100": "nvidia_h200", "nvidia_h800": "nvidia_h200"}
+
+
 def _device_file(device_kind: str) -> str:
+  """The device kind's tuning file, e.g. 'NVIDIA H200' -> tuning/nvidia_h200.json (which may not exist: then the
+  heuristic defaults apply); a kind with no file of its own whose name starts as one in ``_SAME_CHIP`` gets that
+  chip's ('NVIDIA H100 80GB HBM3' -> nvidia_h200.json)."""
   name = "".join(c if c.isalnum() else "_" for c in device_kind.lower()).strip("_")
-  return os.path.join(_TUNING_DIR, f"{name}.json")
+  path = os.path.join(_TUNING_DIR, f"{name}.json")
+  if not os.path.exists(path):
+    for prefix, chip in _SAME_CHIP.items():
+      if name == prefix or name.startswith(prefix + "_"):
+        return os.path.join(_TUNING_DIR, f"{chip}.json")
+  return path
 
 
 def _tuning_file(device_kind: str) -> dict:

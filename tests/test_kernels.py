@@ -7,6 +7,7 @@ random global scale; the seed comes from the test name. Interpret mode starts ev
 
 import dataclasses
 import json
+import os
 import re
 import zlib
 
@@ -522,6 +523,25 @@ def test_tuning_file_override_by_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("QERL_KERNEL_TUNING", str(path))
     with pytest.raises(ValueError, match=re.escape(f"tuning file {path}") + ".*" + re.escape(message)):
       config_lib.get_config("fwd", 1, 3584, 3584, "Any GPU")
+
+
+def test_h100_and_h800_read_the_h200_tuning_other_gpus_the_heuristic(monkeypatch):
+  # The H100's jax device kinds ('NVIDIA H100 80GB HBM3' measured; PCIe / NVL / H800 the same chip) have no file of
+  # their own: they take the H200's, whose 1-row entry (the gemv engine, asm_fma) differs from the heuristic's.
+  monkeypatch.delenv("QERL_KERNEL_TUNING", raising=False)
+  h200 = config_lib._device_file("NVIDIA H200")  # pylint: disable=protected-access
+  assert os.path.basename(h200) == "nvidia_h200.json" and os.path.exists(h200)
+  for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H800"):
+    assert config_lib._device_file(kind) == h200, kind  # pylint: disable=protected-access
+    for rows, (k, n) in [(1, (3584, 37888)), (8, (18944, 3584)), (64, (3584, 4608))]:
+      assert config_lib.get_config("fwd", rows, k, n, kind) == config_lib.get_config("fwd", rows, k, n, "NVIDIA H200")
+    assert config_lib.xla_min_rows(kind) == config_lib.xla_min_rows("NVIDIA H200") is not None
+  tuned = config_lib.get_config("fwd", 1, 3584, 37888, "NVIDIA H100 80GB HBM3")
+  assert tuned.dequant == "asm_fma" and tuned != config_lib.heuristic_config("fwd", 1, 3584, 37888)
+  # Names that only share the letters, and other GPUs, keep the heuristic.
+  for kind in ("NVIDIA H1000", "NVIDIA A100-SXM4-80GB", "NVIDIA GeForce RTX 4090"):
+    assert not os.path.exists(config_lib._device_file(kind)), kind  # pylint: disable=protected-access
+    assert config_lib.get_config("fwd", 1, 3584, 37888, kind) == config_lib.heuristic_config("fwd", 1, 3584, 37888)
 
 
 def test_tuning_entries_restricted_to_shapes_come_first_for_those_shapes_only(tmp_path, monkeypatch):
