@@ -2,9 +2,9 @@
 
 Tuned values are data, not literals: ``qerl_kernels/tuning/<device kind>.json`` (e.g. ``nvidia_h200.json`` for
 jax's device_kind 'NVIDIA H200'; the H100 and H800 read the H200's) holds a list of entries
-``{"direction": "fwd"|"bwd", "max_rows": R, "config": {...}}``; the first entry of the right direction whose ``max_rows`` covers the row count wins,
-and any field it leaves out comes from the heuristic. Shapes are always re-fitted (``fit``) so that a tuned
-entry can never produce an invalid launch.
+``{"direction": "fwd"|"bwd", "max_rows": R, "config": {...}}``; the first entry of the right direction whose
+``max_rows`` covers the row count wins, and any field it leaves out comes from the heuristic. Shapes are always
+re-fitted (``fit``) so that a tuned entry can never produce an invalid launch.
 """
 
 from __future__ import annotations
