@@ -292,7 +292,8 @@ def device_kind() -> str:
 
 
 # Device kinds without a file of their own that take another's: the H100 and H800 are the H200's chip (sm_90: the
-# same SMs, registers and shared memory) with less and slower memory. On an H100 SXM (2026-12-05, 7B NVFP4 decode,
+# same SM design, registers and shared memory) with less and slower memory; the H100 PCIe has 114 SMs, not 132,
+# and only the SXM was measured. On an H100 SXM (2026-12-05, 7B NVFP4 decode,
 # profile_decode) the H200 file took the kernel ms per step from the defaults' 4.40 / 7.17 / 9.59 to 3.01 / 3.91 /
 # 8.01 at batch 1 / 8 / 64, with the H200's output digests.
 _SAME_CHIP = {"nvidia_h100": "nvidia_h200", "nvidia_h800": "nvidia_h200"}

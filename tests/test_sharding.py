@@ -96,17 +96,18 @@ def test_local_bytes_counts_one_shard():
 
 # ---------------------------------------------------------------- the 8-device subprocess
 
-def _eight_device_env() -> dict:
-  """This environment plus 8 virtual CPU devices; keeps the suite's XLA flags (conftest's compile level)."""
+def _run_on_8_devices(*args, timeout=300):
+  """python ``args`` with 8 virtual CPU devices, keeping the suite's XLA flags (conftest's compile level); fails the
+  test, with the child's output, unless it exits 0."""
   flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  return dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+  return proc
 
 
 def test_sharded_update_equals_unsharded_on_8_cpu_devices():
-  env = _eight_device_env()
-  proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                        timeout=300, cwd=ROOT)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+  proc = _run_on_8_devices(os.path.abspath(__file__))
   result = json.loads(proc.stdout.strip().splitlines()[-1])
   print(result)
   assert result["devices"] == 8
@@ -367,20 +368,10 @@ if __name__ == "__main__":
 
 
 def test_loading_with_a_mesh_writes_into_the_shards():
-  env = _eight_device_env()
-  proc = subprocess.run([sys.executable, os.path.abspath(__file__), "loading"], env=env, capture_output=True,
-                        text=True, timeout=300, cwd=ROOT)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+  proc = _run_on_8_devices(os.path.abspath(__file__), "loading")
   result = json.loads(proc.stdout.strip().splitlines()[-1])
   # nvfp4: codes and scales of 7 projections, embed; bf16: 7 weights and embed (+ q/k/v biases over tensor).
   assert result["devices"] == 8 and result["split_leaves"]["nvfp4"] >= 15 and result["split_leaves"]["bf16"] >= 8
-
-
-def _run_on_8_devices(*args, timeout=300):
-  env = _eight_device_env()
-  proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-  return proc
 
 
 def test_fused_kernel_maps_over_rows_under_a_mesh():
