@@ -136,3 +136,38 @@ def test_gguf_unsupported_quant_type_and_architecture_are_clear_errors(tmp_path)
   _write_gguf(other, arch="gpt2")
   with pytest.raises(ValueError, match="unsupported GGUF architecture arch='gpt2'"):
     from_pretrained(str(other), quant="bf16", lora_rank=None, load_tokenizer=False)
+
+
+def test_gguf_tokenizer_cache_round_trips_and_follows_the_file(tmp_path, monkeypatch):
+  """The converted GGUF tokenizer, saved and reloaded from the cache, encodes and templates like the conversion
+  itself; a touched file (new mtime) is converted afresh."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  from qerl_jax.model.tokenizer import gguf_cache_dir, load_gguf_tokenizer  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+  gguf = tmp_path / "smollm2.gguf"
+  shutil.copyfile(smollm2_gguf_path(), gguf)
+  converted = load_gguf_tokenizer(str(gguf))
+  cache = gguf_cache_dir(str(gguf))
+  assert os.path.isfile(os.path.join(cache, "tokenizer_config.json"))
+  assert not [p for p in os.listdir(os.path.dirname(cache)) if ".tmp-" in p]  # no half-written copy left
+  cached = load_gguf_tokenizer(str(gguf))
+  assert os.path.abspath(cached.name_or_path) == os.path.abspath(cache)  # read from the cache, not converted
+  rng = np.random.default_rng(fresh_seed())
+  words = ["the", " sea", "Ünïcode", "12345", "3.14", "\n\n", "  ", "def f(x):", "é", "日本", "<|im_end|>", "?!"]
+  for _ in range(20):
+    text = "".join(rng.choice(words, size=rng.integers(1, 30)))
+    assert cached(text)["input_ids"] == converted(text)["input_ids"], text
+    chat = [{"role": "user", "content": text}]
+    assert (cached.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            == converted.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+  ids = rng.integers(0, converted.vocab_size, size=200).tolist()
+  assert cached.decode(ids) == converted.decode(ids)
+  assert (cached.eos_token_id, cached.bos_token_id) == (converted.eos_token_id, converted.bos_token_id)
+  os.utime(gguf, ns=(os.stat(gguf).st_atime_ns, os.stat(gguf).st_mtime_ns + 10**9))
+  assert gguf_cache_dir(str(gguf)) != cache
+
+
+def test_gguf_tokenizer_of_a_missing_file_names_it(tmp_path):
+  from qerl_jax.model.tokenizer import load_gguf_tokenizer  # pylint: disable=import-outside-toplevel
+  with pytest.raises(FileNotFoundError, match="nowhere.gguf"):
+    load_gguf_tokenizer(str(tmp_path / "nowhere.gguf"))

@@ -252,7 +252,8 @@ def _resolve(path: str) -> str:
 def _tokenizer(local: str):
   from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
   if local.endswith(".gguf"):
-    return AutoTokenizer.from_pretrained(os.path.dirname(local) or ".", gguf_file=os.path.basename(local))
+    from qerl_jax.model.tokenizer import load_gguf_tokenizer  # pylint: disable=import-outside-toplevel
+    return load_gguf_tokenizer(local)
   names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
   if not any(os.path.isfile(os.path.join(local, n)) for n in names):
     return None

@@ -6,9 +6,7 @@ Nothing here compiles: a config error or a missing file surfaces before the firs
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
-import shutil
 from typing import Optional
 
 import jax
@@ -17,6 +15,7 @@ from flax import nnx
 
 from qerl_jax import data as data_lib
 from qerl_jax.data.example import SYSTEM_PROMPT
+from qerl_jax.model import tokenizer as tokenizer_lib
 from qerl_jax.model.config import parse_merged_launches
 
 BUILTIN_SMOLLM2 = "builtin:smollm2"
@@ -32,38 +31,14 @@ def resolve_path(path: str) -> str:
   return os.path.expanduser(path)
 
 
-def _tokenizer_cache_dir(gguf: str) -> str:
-  stat = os.stat(gguf)
-  tag = hashlib.sha1(f"{os.path.abspath(gguf)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(root, "qerl_jax", "tokenizers", tag)
-
-
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(source: str):
-  """A transformers tokenizer from a model directory or a .gguf file.
-
-  Converting a GGUF vocabulary takes transformers about 20 s, so the converted tokenizer is saved once
-  under ~/.cache/qerl_jax/tokenizers (keyed by the file's path, size and mtime) and reloaded from there.
-  """
+  """A transformers tokenizer from a model directory or a .gguf file (a GGUF's is cached on disk)."""
   from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
   source = resolve_path(source)
-  if not source.endswith(".gguf"):
-    return AutoTokenizer.from_pretrained(source)
-  if not os.path.isfile(source):
-    raise FileNotFoundError(f"tokenizer file {source} does not exist")
-  cache = _tokenizer_cache_dir(source)
-  if os.path.isfile(os.path.join(cache, "tokenizer_config.json")):
-    return AutoTokenizer.from_pretrained(cache)
-  tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(source) or ".", gguf_file=os.path.basename(source))
-  tmp = f"{cache}.tmp-{os.getpid()}"
-  try:  # write then rename, so a concurrent or killed writer never leaves a half-written cache
-    tokenizer.save_pretrained(tmp)
-    os.makedirs(os.path.dirname(cache), exist_ok=True)
-    os.replace(tmp, cache)
-  except OSError:
-    shutil.rmtree(tmp, ignore_errors=True)
-  return tokenizer
+  if source.endswith(".gguf"):
+    return tokenizer_lib.load_gguf_tokenizer(source)
+  return AutoTokenizer.from_pretrained(source)
 
 
 def system_prompt(config) -> Optional[str]:
