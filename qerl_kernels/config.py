@@ -248,8 +248,9 @@ DECODE_KERNELS = {
     "residual_norm": {"block_d": 256, "num_warps": 4},  # decode_residual_norm: columns per program, both launches
     "swiglu": {"block_n": 512, "num_warps": 4},  # decode_swiglu: columns per program
     "qkv_rows": {"num_warps": 1},  # decode_qkv: one program per output head row
-    # decode_attention: cache slots per block; splits of the slots aimed at this many programs per SM
-    "attention": {"block_s": 64, "num_warps": 4, "programs_per_sm": 2},
+    # decode_attention: cache slots per block; splits of the slots aimed at this many programs per SM; blocks of
+    # k and v in flight (Triton's software pipelining of the slot loop)
+    "attention": {"block_s": 64, "num_warps": 4, "programs_per_sm": 2, "num_stages": 2},
 }
 
 
@@ -262,7 +263,11 @@ def _check_decode_kernels(where: str, table) -> None:
     if not isinstance(fields, dict) or set(fields) - set(DECODE_KERNELS[name]):
       raise ValueError(f"{where}: decode kernel {name!r} takes fields {sorted(DECODE_KERNELS[name])}, got {fields!r}")
     for field, v in fields.items():
-      if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
+      bad = not isinstance(v, int) or isinstance(v, bool) or v < 1
+      if field == "num_stages":  # a pipeline depth: any positive count
+        if bad:
+          raise ValueError(f"{where}: decode kernel {name!r} field 'num_stages' must be a positive integer, got {v!r}")
+      elif bad or v & (v - 1):  # block sizes, warps, programs per SM
         raise ValueError(f"{where}: decode kernel {name!r} field {field!r} must be a power of two, got {v!r}")
 
 

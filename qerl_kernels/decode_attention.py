@@ -159,7 +159,7 @@ def _check(q_BxHxD, k_cache, v_cache, mask_BxS, block_s):
 
 
 def _attend(q_BxHxD, k_cache, v_cache, layer, mask_BxS, limit, new_kv, *, block_s, splits, num_warps,
-            programs_per_sm, interpret):
+            programs_per_sm, num_stages, interpret):
   """The kernel, then the merge of its splits (a second small kernel): (out [B, H * Dh], the caches' outputs
   [L * B * C, Hkv * Dh] when `new_kv` gives this token's (k, v) [B, Hkv, Dh] to store at slot `limit`)."""
   _check(q_BxHxD, k_cache, v_cache, mask_BxS, block_s)
@@ -170,11 +170,11 @@ def _attend(q_BxHxD, k_cache, v_cache, layer, mask_BxS, limit, new_kv, *, block_
   rows = jnp.concatenate([y.astype(jnp.float32) for y in rows] + [jnp.zeros((b, gp, d), jnp.float32)], axis=1)
   return _attend_rows(rows, k_cache, v_cache, layer, mask_BxS, limit, new_kv is not None, heads=h,
                       q_dtype=q_BxHxD.dtype, block_s=block_s, splits=splits, num_warps=num_warps,
-                      programs_per_sm=programs_per_sm, interpret=interpret)
+                      programs_per_sm=programs_per_sm, num_stages=num_stages, interpret=interpret)
 
 
 def _attend_rows(rows, k_cache, v_cache, layer, mask_BxS, limit, update: bool, *, heads: int, q_dtype, block_s,
-                 splits, num_warps, programs_per_sm, interpret):
+                 splits, num_warps, programs_per_sm, num_stages, interpret):
   """`_attend` from its one input array: rows float32 [B, H (+ 2 Hkv with ``update``) + Gp, Dh]."""
   b, _, d = rows.shape
   num_layers, _, cache_len, kvh, _ = k_cache.shape
@@ -203,7 +203,7 @@ def _attend_rows(rows, k_cache, v_cache, layer, mask_BxS, limit, update: bool, *
       out_shape=tuple(out_shape),
       grid=(b * kvh, splits),
       input_output_aliases=aliases,
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="decode_attention",
   )(*inputs)
@@ -222,7 +222,8 @@ def _attend_rows(rows, k_cache, v_cache, layer, mask_BxS, limit, update: bool, *
 
 
 def _launch(block_s: int | None, num_warps: int | None, interpret: bool) -> dict:
-  """block_s, num_warps and programs_per_sm: those given, else the device's tuning (``config.decode_launch``)."""
+  """block_s, num_warps, programs_per_sm and num_stages: those given, else the device's tuning
+  (``config.decode_launch``)."""
   return config_lib.decode_launch("attention", interpret, block_s=block_s, num_warps=num_warps)
 
 

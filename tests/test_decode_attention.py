@@ -130,6 +130,31 @@ def test_a_tuned_programs_per_sm_reaches_the_launch(tmp_path, monkeypatch):
   assert grids(interpret=True) == [(32, 7), (8 * 28,)]  # interpret mode: the defaults (2 per SM)
 
 
+def test_a_tuned_num_stages_reaches_the_launch_and_a_bad_one_is_refused(tmp_path, monkeypatch):
+  # "num_stages" (the slot loop's pipeline depth) goes to the attention launch's compiler params; any positive
+  # count is a valid depth (3 is not a power of two), zero or a bool names the field.
+  import json
+  from qerl_kernels import config as config_lib
+  tuning = tmp_path / "t.json"
+  monkeypatch.setenv("QERL_KERNEL_TUNING", str(tuning))
+  monkeypatch.setattr(config_lib, "device_kind", lambda: "NVIDIA H200")
+  q, k, v, mask = _case("tuned_stages", 1, 2, 28, 4, 32, 256, 256)
+
+  def stages():
+    jaxpr = jax.make_jaxpr(lambda q: decode_attention(q, k, v, 0, mask))(q)
+    calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    return [str(e.params["compiler_params"]) for e in calls if "decode_attention" == e.params["name"]]
+
+  for n in (3, 5):
+    tuning.write_text(json.dumps({"entries": [], "decode_kernels": {"attention": {"num_stages": n}}}))
+    got = stages()
+    assert len(got) == 1 and f"num_stages={n}" in got[0], got
+  for bad in (0, True):
+    tuning.write_text(json.dumps({"entries": [], "decode_kernels": {"attention": {"num_stages": bad}}}))
+    with pytest.raises(ValueError, match=f"field 'num_stages' must be a positive integer, got {bad}"):
+      config_lib.decode_kernel_params("attention", "NVIDIA H200")
+
+
 @pytest.mark.parametrize("num_layers,layer,b,h,kvh,d,cache_len,seq,slot,block_s,splits", [
   (3, 2, 2, 28, 4, 64, 200, 200, 130, 16, None),  # 7B's grouping, many splits, the slot mid-block
   (2, 0, 3, 8, 8, 32, 96, 70, 64, 16, 2),  # the slot opens a block; only 70 of 96 slots are masked in
