@@ -31,9 +31,23 @@ from qerl_kernels.decode_qkv import padded_heads
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
 
 
+def split_blocks(visible, split, *, block_s: int, splits: int):
+  """(first block, blocks) of split ``split``: the blocks holding a slot before ``visible`` (may be traced),
+  shared evenly, so none walks more than ceil(blocks / splits) of them.
+
+  The visible blocks, not the cache's, are what the splits share: a rollout at step i reads P + i slots, and a
+  plan over the whole budget (before this) left the later splits idle while the first ones walked up to
+  budget / splits blocks each (10 and 3 blocks mid-rollout at a 7B batch of 64).
+  """
+  visible_blocks = (visible + block_s - 1) // block_s
+  per_split = (visible_blocks + splits - 1) // splits
+  first = split * per_split
+  return first, jnp.clip(visible_blocks - first, 0, per_split)
+
+
 def decode_attention_kernel(*refs, batch: int, seq: int, cache_len: int, kv_heads: int, group: int, gp: int,
-                            head_dim: int, block_s: int, blocks_per_split: int, update: bool, q_dtype):
-  """One (row, kv head) over one split of the slots, up to the last visible one.
+                            head_dim: int, block_s: int, splits: int, update: bool, q_dtype):
+  """One (row, kv head) over one split of the blocks before the visible limit (the splits share them evenly).
 
   refs: rows_ref float32 [B, H (+ 2 Hkv with `update`) + Gp, Dh] (the query heads, then this token's k and v
   heads, then zeros: one array, so XLA forms it in one kernel); layer_ref int32 [1]; visible_ref int32 [1]
@@ -58,9 +72,11 @@ def decode_attention_kernel(*refs, batch: int, seq: int, cache_len: int, kv_head
   cols = pl.ds(h * head_dim, head_dim)
   scale = head_dim ** -0.5
 
+  first_block, blocks = split_blocks(visible_ref[0], split, block_s=block_s, splits=splits)
+
   def body(i, carry):
     m_G, l_G, acc_GxD = carry
-    s0 = (split * blocks_per_split + i) * block_s
+    s0 = (first_block + i) * block_s
     slots = s0 + jnp.arange(block_s)
     # Never a slot past the limit: with `update`, split 0 writes the limit's slot while others may read.
     in_range = (slots < seq) & (slots < visible_ref[0])
@@ -80,10 +96,6 @@ def decode_attention_kernel(*refs, batch: int, seq: int, cache_len: int, kv_head
 
   init = (jnp.full((gp,), _MASKED, jnp.float32), jnp.zeros((gp,), jnp.float32),
           jnp.zeros((gp, head_dim), jnp.float32))
-  # Blocks of this split that start before the first invisible slot (a rollout at step i reads P + i slots,
-  # not the whole response budget).
-  first = split * blocks_per_split * block_s
-  blocks = jnp.clip((visible_ref[0] - first + block_s - 1) // block_s, 0, blocks_per_split)
   m_G, l_G, acc_GxD = jax.lax.fori_loop(0, blocks, body, init)
   if update:  # this token's own slot, from its k and v rather than the cache: split 0 adds it and stores it
     slot = visible_ref[0]
@@ -133,18 +145,15 @@ def merge_kernel(o_part_ref, lse_ref, out_ref, *, splits: int, kv_heads: int, gr
   plgpu.store(out_ref.at[b, head, pl.ds(0, head_dim)], out_D.astype(out_ref.dtype))
 
 
-def _split_plan(b: int, kvh: int, seq: int, block_s: int, splits: int | None,
-                programs_per_sm: int = 2) -> tuple[int, int]:
-  """(splits, blocks per split): by default enough splits for ``programs_per_sm`` programs on each of the
-  H200's 132 SMs, at most one split per block. A split walks its blocks one after another, so more, shorter
+def _split_plan(b: int, kvh: int, seq: int, block_s: int, splits: int | None, programs_per_sm: int = 2) -> int:
+  """Splits per (row, kv head): by default enough for ``programs_per_sm`` programs on each of the H200's 132
+  SMs, at most one per block of the ``seq`` slots. A split walks its blocks one after another, so more, shorter
   splits trade the merge's reads for fewer loads in a row (on an H200 at 1e20e96 that trade came out even:
-  experiments/RESULTS.md)."""
+  experiments/RESULTS.md). Each launch shares the visible blocks among them (`split_blocks`)."""
   num_blocks = pl.cdiv(seq, block_s)
   if splits is None:
-    splits = max(1, min(num_blocks, -(-programs_per_sm * 132 // (b * kvh))))
-  splits = min(splits, num_blocks)
-  blocks_per_split = pl.cdiv(num_blocks, splits)
-  return pl.cdiv(num_blocks, blocks_per_split), blocks_per_split  # no split without an in-range slot
+    splits = -(-programs_per_sm * 132 // (b * kvh))
+  return max(1, min(splits, num_blocks))
 
 
 def _check(q_BxHxD, k_cache, v_cache, mask_BxS, block_s):
@@ -182,13 +191,13 @@ def _attend_rows(rows, k_cache, v_cache, layer, mask_BxS, limit, update: bool, *
   seq = mask_BxS.shape[-1]
   g = h // kvh
   gp = padded_heads(h, kvh)
-  splits, blocks_per_split = _split_plan(b, kvh, seq, block_s, splits, programs_per_sm)
+  splits = _split_plan(b, kvh, seq, block_s, splits, programs_per_sm)
   layer_1 = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
   limit_1 = jnp.reshape(jnp.asarray(limit, jnp.int32), (1,))
   k2 = k_cache.reshape(num_layers * b * cache_len, kvh * d)
   v2 = v_cache.reshape(num_layers * b * cache_len, kvh * d)
   kernel = functools.partial(decode_attention_kernel, batch=b, seq=seq, cache_len=cache_len, kv_heads=kvh,
-                             group=g, gp=gp, head_dim=d, block_s=block_s, blocks_per_split=blocks_per_split,
+                             group=g, gp=gp, head_dim=d, block_s=block_s, splits=splits,
                              update=update, q_dtype=q_dtype)
   sp = 1 << (splits - 1).bit_length()  # the merge loads all splits as one power-of-two block
   out_shape = [jax.ShapeDtypeStruct((sp, b, kvh, gp, d), jnp.float32),

@@ -98,16 +98,31 @@ def test_one_split_leaves_nothing_to_merge(splits, merges):
 
 
 @pytest.mark.parametrize("b,programs_per_sm,want", [
-  (1, 2, (20, 1)),  # 7B at batch 1: 4 (row, kv head) pairs, one split per 64-slot block of 1280
-  (8, 2, (7, 3)),  # batch 8: 264 programs wanted, 32 pairs, 9 splits asked, 3 blocks each -> 7 splits
-  (8, 8, (20, 1)),
-  (64, 2, (2, 10)),
-  (64, 16, (7, 3)),  # 2112 programs over 256 pairs -> 9 splits asked, 3 blocks each -> 7
+  (1, 2, 20),  # 7B at batch 1: 4 (row, kv head) pairs, 66 splits asked, one per 64-slot block of 1280
+  (8, 2, 9),  # batch 8: 264 programs wanted over 32 pairs
+  (8, 8, 20),
+  (64, 2, 2),
+  (64, 16, 9),  # 2112 programs over 256 pairs
 ])
 def test_the_split_plan_aims_at_the_programs_per_sm(b, programs_per_sm, want):
   from qerl_kernels.decode_attention import _split_plan
   assert _split_plan(b, 4, 1280, 64, None, programs_per_sm) == want
-  assert _split_plan(b, 4, 1280, 64, 3, programs_per_sm) == (3, 7)  # a caller's splits win
+  assert _split_plan(b, 4, 1280, 64, 3, programs_per_sm) == 3  # a caller's splits win
+  assert _split_plan(b, 4, 100, 64, 5, programs_per_sm) == 2  # never more splits than blocks
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 20])
+def test_the_splits_share_the_visible_blocks_evenly(splits):
+  # Every block before the visible limit is read by exactly one split, and no split walks more than its share
+  # (a plan over the whole 1280-slot budget had split 0 walk 10 blocks and split 1 three, at 776 visible slots).
+  from qerl_kernels.decode_attention import split_blocks
+  for visible in (1, 63, 64, 65, 257, 776, 1280):
+    visible_blocks = -(-visible // 64)
+    ranges = [tuple(int(a) for a in split_blocks(jnp.int32(visible), jnp.int32(s), block_s=64, splits=splits))
+              for s in range(splits)]
+    read = [first + i for first, n in ranges for i in range(n)]
+    assert sorted(read) == list(range(visible_blocks)), (visible, ranges)
+    assert max(n for _, n in ranges) == -(-visible_blocks // splits), (visible, ranges)
 
 
 def test_a_tuned_programs_per_sm_reaches_the_launch(tmp_path, monkeypatch):
@@ -127,7 +142,7 @@ def test_a_tuned_programs_per_sm_reaches_the_launch(tmp_path, monkeypatch):
 
   assert grids() == [(32, 20), (8 * 28,)]  # 8 * 132 programs wanted: one 64-slot block per split
   assert grids(splits=5) == [(32, 5), (8 * 28,)]
-  assert grids(interpret=True) == [(32, 7), (8 * 28,)]  # interpret mode: the defaults (2 per SM)
+  assert grids(interpret=True) == [(32, 9), (8 * 28,)]  # interpret mode: the defaults (2 per SM)
 
 
 def test_a_tuned_num_stages_reaches_the_launch_and_a_bad_one_is_refused(tmp_path, monkeypatch):

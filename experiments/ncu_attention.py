@@ -1,0 +1,95 @@
+"""Launches of the decode-attention kernel alone, at Qwen2.5-7B's heads mid-rollout, for Nsight Compute or timing.
+
+One stack-of-one cache per layer as the unrolled decode loop passes it (28 query heads, 4 kv heads, 128 dims,
+1280 slots, `--visible` of them visible), the token's own k and v written by the same launch
+(`decode_attention_rows`, as a decode step calls it). Each batch's program runs twice, so the second launch is past
+compilation. ``QERL_KERNEL_TUNING`` picks the launch fields, as in the model.
+
+    ncu --clock-control none --kernel-name regex:decode_attention --launch-skip 1 --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats python3 experiments/ncu_attention.py --batches 64
+
+``--time N`` instead times N launches of each batch in one jitted program (no ncu): host-timed medians of us per
+call, and the cache bytes read over that time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from qerl_kernels.decode_attention import decode_attention_rows  # noqa: E402
+from qerl_kernels.decode_qkv import padded_heads  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, CACHE_LEN = 28, 4, 128, 1280
+
+
+def inputs(b: int, visible: int, seed: int = 0):
+  """(rows, k, v, mask) for `decode_attention_rows` at 7B's heads: slots < visible are visible in every row."""
+  rng = np.random.default_rng(seed)
+  n_rows = HEADS + 2 * KV_HEADS + padded_heads(HEADS, KV_HEADS)
+  rows = jnp.asarray(rng.standard_normal((b, n_rows, HEAD_DIM)), jnp.bfloat16).astype(jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((1, b, CACHE_LEN, KV_HEADS, HEAD_DIM)), jnp.bfloat16) for _ in range(2))
+  mask = jnp.asarray(np.arange(CACHE_LEN)[None, :] <= visible).repeat(b, 0)
+  return rows, k, v, mask
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
+  p.add_argument("--visible", nargs="+", type=int, default=[776],
+                 help="the new token's slot (slots before it are read); each is run per batch")
+  p.add_argument("--time", type=int, default=0, metavar="N", help="time N launches per batch instead")
+  p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU smoke run)")
+  args = p.parse_args(argv)
+
+  @jax.jit
+  def step(rows, k, v, mask, slot):
+    out, k, v = decode_attention_rows(rows, k, v, 0, slot, mask, heads=HEADS, dtype=jnp.bfloat16,
+                                      interpret=args.interpret)
+    return out, k, v
+
+  @jax.jit
+  def loop(rows, k, v, mask, slot):  # N launches in one program, unrolled: no loop condition between them
+    outs = []
+    for _ in range(args.time):
+      out, k, v = step(rows, k, v, mask, slot)
+      outs.append(out[0, 0])
+    return jnp.stack(outs), k, v
+
+  for b in args.batches:
+    for visible in args.visible:
+      run(b, visible, step, loop, args.time)
+
+
+def run(b: int, visible: int, step, loop, n: int):
+  rows, k, v, mask = inputs(b, visible)
+  slot = jnp.int32(visible)
+  if not n:
+    for _ in range(2):
+      out, k, v = step(rows, k, v, mask, slot)
+      out.block_until_ready()
+    print(f"batch {b}, slot {visible}: out {out.shape} {out.dtype}, |out| max {float(jnp.abs(out).max()):.4f}")
+    return
+  jax.block_until_ready(loop(rows, k, v, mask, slot))
+  walls = []
+  for _ in range(7):
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(rows, k, v, mask, slot))
+    walls.append((time.perf_counter() - t0) / n * 1e6)
+  us = float(np.median(walls))
+  cache_bytes = 2 * b * visible * KV_HEADS * HEAD_DIM * 2
+  print(f"batch {b}, slot {visible}: {us:.2f} us per call (attention and merge), "
+        f"{cache_bytes / us / 1e6:.2f} TB/s of cache read")
+
+
+if __name__ == "__main__":
+  main()
