@@ -513,7 +513,7 @@ def test_tuning_variant_sets_a_decode_kernels_launch_fields(tmp_path, monkeypatc
   monkeypatch.setenv("QERL_KERNEL_TUNING", str(out))
   assert config_lib.decode_kernel_params("qkv_rows", "NVIDIA H200") == {"num_warps": 4}
   assert config_lib.decode_kernel_params("attention", "NVIDIA H200") == {  # untouched: the file's own fields
-      **config_lib.DECODE_KERNELS["attention"], **base["decode_kernels"]["attention"]}
+      **config_lib.DECODE_KERNELS["attention"], **base["decode_kernels"].get("attention", {})}
   assert config_lib.decode_kernel_params("qkv_rows", None) == config_lib.DECODE_KERNELS["qkv_rows"]
   with pytest.raises(ValueError, match="unknown decode kernel 'mlp'"):
     config_lib.decode_kernel_params("mlp", "NVIDIA H200")
