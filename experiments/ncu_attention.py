@@ -3,7 +3,8 @@
 One stack-of-one cache per layer as the unrolled decode loop passes it (28 query heads, 4 kv heads, 128 dims,
 1280 slots, `--visible` of them visible), the token's own k and v written by the same launch
 (`decode_attention_rows`, as a decode step calls it). Each batch's program runs twice, so the second launch is past
-compilation. ``QERL_KERNEL_TUNING`` picks the launch fields, as in the model.
+compilation, and its output is checked against the model's float32 attention (the error is printed and returned).
+``QERL_KERNEL_TUNING`` picks the launch fields, as in the model.
 
     ncu --clock-control none --kernel-name regex:decode_attention --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
@@ -42,6 +43,15 @@ def inputs(b: int, visible: int, seed: int = 0):
   return rows, k, v, mask
 
 
+def reference(rows, k, v, mask, visible: int):
+  """The model's attention in float32 after writing this token's k and v at slot ``visible``: [B, H * Dh]."""
+  from qerl_jax.model import attention as attn  # pylint: disable=import-outside-toplevel
+  q = rows[:, :HEADS]
+  k_new, v_new = (rows[:, HEADS + i * KV_HEADS:HEADS + (i + 1) * KV_HEADS].astype(k.dtype) for i in (0, 1))
+  k_full, v_full = (c[0].at[:, visible].set(new).astype(jnp.float32) for c, new in ((k, k_new), (v, v_new)))
+  return attn.attend(q[:, None], k_full, v_full, mask[:, None, :])[:, 0].reshape(q.shape[0], -1)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
@@ -65,20 +75,20 @@ def main(argv=None):
       outs.append(out[0, 0])
     return jnp.stack(outs), k, v
 
-  for b in args.batches:
-    for visible in args.visible:
-      run(b, visible, step, loop, args.time)
+  return [run(b, visible, step, loop, args.time) for b in args.batches for visible in args.visible]
 
 
 def run(b: int, visible: int, step, loop, n: int):
   rows, k, v, mask = inputs(b, visible)
   slot = jnp.int32(visible)
   if not n:
+    want = reference(rows, k, v, mask, visible)
     for _ in range(2):
       out, k, v = step(rows, k, v, mask, slot)
       out.block_until_ready()
-    print(f"batch {b}, slot {visible}: out {out.shape} {out.dtype}, |out| max {float(jnp.abs(out).max()):.4f}")
-    return
+    err = float(jnp.abs(out.astype(jnp.float32) - want).max() / jnp.abs(want).max())
+    print(f"batch {b}, slot {visible}: out {out.shape} {out.dtype}, max error {err:.2e} of the largest output")
+    return err
   jax.block_until_ready(loop(rows, k, v, mask, slot))
   walls = []
   for _ in range(7):

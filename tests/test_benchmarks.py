@@ -444,6 +444,17 @@ def test_ncu_gemv_harness_runs_both_kernels(capsys):
   assert "tiny: y (1, 64) bfloat16" in capsys.readouterr().out
 
 
+def test_ncu_attention_harness_checks_the_kernel_against_the_models_attention(capsys):
+  # 7B's heads over the 1280-slot cache, the token's own k and v written at the first and the last slot. At the
+  # first slot the token sees only itself, so the output is its v exactly; at the last, the launch is within bf16
+  # rounding of the model's float32 attention (the probabilities are rounded to bf16 before the product with v,
+  # and the splits sum in another order).
+  from experiments import ncu_attention
+  errs = ncu_attention.main(["--interpret", "--batches", "2", "--visible", "0", "1279"])
+  assert errs[0] == 0.0 and 1e-5 < errs[1] < 1e-2, errs
+  assert "batch 2, slot 1279: out (2, 3584) bfloat16" in capsys.readouterr().out
+
+
 @pytest.mark.slow  # ~35 s on 2 cores (the small model's interpret-mode kernels); run with `pytest -m slow`
 def test_check_decode_kernels_finds_the_kernels_equal_to_their_references(tmp_path):
   # The GPU check's CPU run (interpret mode, small shapes): each kernel equals its reference bit for bit here,
