@@ -248,8 +248,8 @@ DECODE_KERNELS = {
     "residual_norm": {"block_d": 256, "num_warps": 4},  # decode_residual_norm: columns per program, both launches
     "swiglu": {"block_n": 512, "num_warps": 4},  # decode_swiglu: columns per program
     "qkv_rows": {"num_warps": 1},  # decode_qkv: one program per output head row
-    # decode_attention: cache slots per block; splits of the slots aimed at this many programs per SM; blocks of
-    # k and v in flight (Triton's software pipelining of the slot loop)
+    # decode_attention: cache slots per block; splits (which share the visible blocks) aimed at this many programs
+    # per SM; blocks of k and v in flight (Triton's software pipelining of the slot loop)
     "attention": {"block_s": 64, "num_warps": 4, "programs_per_sm": 2, "num_stages": 2},
 }
 
