@@ -99,10 +99,10 @@ def test_one_split_leaves_nothing_to_merge(splits, merges):
 
 @pytest.mark.parametrize("b,programs_per_sm,want", [
   (1, 2, 20),  # 7B at batch 1: 4 (row, kv head) pairs, 66 splits asked, one per 64-slot block of 1280
-  (8, 2, 9),  # batch 8: 264 programs wanted over 32 pairs
+  (8, 2, 7),  # batch 8: 264 programs wanted over 32 pairs, 9 splits asked, 3 blocks each -> 7
   (8, 8, 20),
   (64, 2, 2),
-  (64, 16, 9),  # 2112 programs over 256 pairs
+  (64, 16, 7),  # 2112 programs over 256 pairs -> 9 asked -> 7
 ])
 def test_the_split_plan_aims_at_the_programs_per_sm(b, programs_per_sm, want):
   from qerl_kernels.decode_attention import _split_plan
@@ -142,7 +142,7 @@ def test_a_tuned_programs_per_sm_reaches_the_launch(tmp_path, monkeypatch):
 
   assert grids() == [(32, 20), (8 * 28,)]  # 8 * 132 programs wanted: one 64-slot block per split
   assert grids(splits=5) == [(32, 5), (8 * 28,)]
-  assert grids(interpret=True) == [(32, 9), (8 * 28,)]  # interpret mode: the defaults (2 per SM)
+  assert grids(interpret=True) == [(32, 7), (8 * 28,)]  # interpret mode: the defaults (2 per SM)
 
 
 def test_a_tuned_num_stages_reaches_the_launch_and_a_bad_one_is_refused(tmp_path, monkeypatch):
