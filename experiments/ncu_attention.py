@@ -6,9 +6,12 @@ One stack-of-one cache per layer as the unrolled decode loop passes it (28 query
 compilation, and its output is checked against the model's float32 attention (the error is printed and returned).
 ``QERL_KERNEL_TUNING`` picks the launch fields, as in the model.
 
-    ncu --clock-control none --kernel-name regex:decode_attention --launch-skip 1 --launch-count 1 \
-        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-        --section WarpStateStats --section SchedulerStats python3 experiments/ncu_attention.py --batches 64
+    ncu --clock-control none --kernel-name regex:decode_attention --launch-skip 2 --launch-count 6 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        python3 experiments/ncu_attention.py --batches 1 8 > $OUT/ncu.txt
+
+(the regex matches the attention and its merge, two launches per run: skipping 2 leaves the first batch's second
+run and both of the next batch's; results/ncu_attention_h100_261a53c.txt is that command's record.)
 
 ``--time N`` instead times N launches of each batch in one jitted program (no ncu): host-timed medians of us per
 call, and the cache bytes read over that time.
@@ -49,7 +52,7 @@ def reference(rows, k, v, mask, visible: int):
   q = rows[:, :HEADS]
   k_new, v_new = (rows[:, HEADS + i * KV_HEADS:HEADS + (i + 1) * KV_HEADS].astype(k.dtype) for i in (0, 1))
   k_full, v_full = (c[0].at[:, visible].set(new).astype(jnp.float32) for c, new in ((k, k_new), (v, v_new)))
-  return attn.attend(q[:, None], k_full, v_full, mask[:, None, :])[:, 0].reshape(q.shape[0], -1)
+  return attn.attend(q[:, None], k_full, v_full, mask[:, None, :])[:, 0]  # attend gives [B, T, H * Dh]
 
 
 def main(argv=None):
@@ -63,9 +66,8 @@ def main(argv=None):
 
   @jax.jit
   def step(rows, k, v, mask, slot):
-    out, k, v = decode_attention_rows(rows, k, v, 0, slot, mask, heads=HEADS, dtype=jnp.bfloat16,
-                                      interpret=args.interpret)
-    return out, k, v
+    return decode_attention_rows(rows, k, v, 0, slot, mask, heads=HEADS, dtype=jnp.bfloat16,
+                                 interpret=args.interpret)
 
   @jax.jit
   def loop(rows, k, v, mask, slot):  # N launches in one program, unrolled: no loop condition between them
