@@ -91,6 +91,7 @@ def run_one(args) -> dict:
                                             decode_layers=args.decode_layers, fused_lora=args.fused_lora,
                                             rollout_lora_dtype=args.rollout_lora_dtype,
                                             rollout_base_dtype=args.rollout_base_dtype,
+                                            train_attention=args.train_attention,
                                             rollout_merged_launches=merged_groups(args.merged_launches, args.quant))
   rows = args.prompts * args.samples
   mesh_spec = dict(zip(sharding.MESH_AXES, map(int, args.mesh.split(","))))
@@ -182,6 +183,7 @@ def run_one(args) -> dict:
     device=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit(),
     decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora,
     rollout_lora_dtype=args.rollout_lora_dtype, rollout_base_dtype=args.rollout_base_dtype,
+    train_attention=args.train_attention,
     rollout_merged_launches=",".join(config.merged_launch_groups) if args.quant == "nvfp4" else "")
 
 
@@ -214,6 +216,8 @@ def main():
   p.add_argument("--rollout-base-dtype", default="", choices=["", "bfloat16"],
                  help="NVFP4: the rollout dequantizes the base once into a bf16 copy "
                       "(ModelConfig.rollout_base_dtype; '' = the fused kernels)")
+  p.add_argument("--train-attention", default="xla", choices=["xla", "cudnn"],
+                 help="the log-prob pass's and the update's attention (ModelConfig.train_attention)")
   p.add_argument("--merged-launches", default="auto", metavar="GROUPS",
                  help="NVFP4: q|k|v and gate|up as one launch each in the rollout "
                       "(ModelConfig.rollout_merged_launches; auto = both, the default; none = one per projection)")
@@ -235,7 +239,7 @@ def main():
     for quant in args.quants:
       cmd = [sys.executable, os.path.abspath(__file__), "--one", "--model", model, "--quant", quant]
       for flag in ("prompts", "samples", "prompt_len", "new_tokens", "micro_batch", "lora_rank", "logprob_chunk",
-                   "vocab_chunk", "mesh", "steps", "decode_attention", "decode_layers"):
+                   "vocab_chunk", "mesh", "steps", "decode_attention", "decode_layers", "train_attention"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
       cmd += ["--memory-analysis"] if args.memory_analysis else []
       cmd += ["--fused-lora" if args.fused_lora else "--no-fused-lora"]

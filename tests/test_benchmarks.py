@@ -599,3 +599,19 @@ def test_triton_gemv_probe_matches_numpy_and_pipelines_only_when_asked():
       assert r["cp_async"] == 0 and r["ld_global"] > 0, r
     else:
       assert r["cp_async"] > 0 and r["ld_global"] == 0 and r["shared"] > 2048, r
+
+
+def test_bench_train_attention_checks_each_implementation_before_timing_it():
+  # bf16 inputs against attend in float32 on the rows that see something: ~1e-3 of the largest value. cuDNN has no
+  # CPU kernel, so its record says why it was not timed.
+  from experiments import bench_train_attention
+  records = bench_train_attention.main(["--rows", "2", "--seq", "40", "--max-pad", "9", "--query-chunk", "16",
+                                        "--reps", "1"])
+  by_impl = {r["impl"]: r for r in records}
+  assert sorted(by_impl) == ["cudnn", "jax-xla", "model"]
+  for name in ("model", "jax-xla"):
+    errs = by_impl[name]["error"]
+    assert sorted(errs) == ["dk", "dq", "dv", "out"]
+    assert all(1e-5 < e < 2e-2 for e in errs.values()), (name, errs)
+    assert by_impl[name]["fwd_us"] > 0 and by_impl[name]["fwd_bwd_us"] > 0
+  assert "cuDNN" in by_impl["cudnn"]["failed"] and "fwd_us" not in by_impl["cudnn"]

@@ -87,6 +87,7 @@ BAD = [
   ("rollout.temperature", 0.0, r"rollout.temperature=0.0 must be > 0"),
   ("model.decode_layers", "loop", r"model.decode_layers='loop' must be 'unrolled' or 'scan'"),
   ("model.rollout_merged_launches", "qkv,gate", r"model.rollout_merged_launches='qkv,gate' must be 'auto'"),
+  ("model.train_attention", "flash", r"model.train_attention='flash' must be 'xla' or 'cudnn'"),
   ("rollout.top_p", 1.5, r"rollout.top_p=1.5"),
   ("train.loss_type", "ppo", r"train.loss_type='ppo'"),
   ("train.learning_rate", -1.0, r"train.learning_rate=-1.0"),

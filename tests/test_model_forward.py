@@ -251,6 +251,52 @@ def test_query_blocks_change_neither_logits_nor_gradients():
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
 
 
+def test_fused_attend_gives_attends_outputs_and_gradients_on_left_padded_rows():
+  # The wrapper ModelConfig.train_attention="cudnn" uses, run through jax.nn.dot_product_attention's XLA lowering
+  # (cuDNN needs a GPU): the mask as a [B, 1, T, S] bias, GQA's head grouping, the [B, T, H * Dh] layout.
+  from qerl_jax.model import attention as attn  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(fresh_seed())
+  b, s, h, kvh, dh = 3, 13, 6, 2, 16
+  q, k, v = (jnp.asarray(rng.standard_normal((b, s, n, dh)), jnp.float32) for n in (h, kvh, kvh))
+  valid = np.ones((b, s), bool)
+  valid[1, :5] = False
+  valid[2, :1] = False
+  mask = attn.attention_mask(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), s, jnp.asarray(valid))
+  cot = jnp.asarray(rng.standard_normal((b, s, h * dh)), jnp.float32)
+  rows = jnp.asarray(valid)[:, :, None]
+
+  def loss(f, q, k, v):
+    return jnp.sum(jnp.where(rows, f(q, k, v) * cot, 0.0))
+
+  ref = lambda q, k, v: attn.attend(q, k, v, mask)  # noqa: E731
+  fused = lambda q, k, v: attn.fused_attend(q, k, v, mask, "xla")  # noqa: E731
+  np.testing.assert_allclose(np.asarray(fused(q, k, v))[valid], np.asarray(ref(q, k, v))[valid], rtol=1e-5, atol=1e-5)
+  g_ref = jax.grad(functools.partial(loss, ref), argnums=(0, 1, 2))(q, k, v)
+  g_fused = jax.grad(functools.partial(loss, fused), argnums=(0, 1, 2))(q, k, v)
+  for a, c in zip(g_ref, g_fused):
+    assert np.abs(np.asarray(a)).max() > 0.1
+    np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-4, atol=1e-5)
+  # Each query head reads its own group's k and v: swapping the two kv heads changes every valid output.
+  swapped = attn.fused_attend(q, k[:, :, ::-1], v[:, :, ::-1], mask, "xla")
+  assert np.abs(np.asarray(swapped) - np.asarray(ref(q, k, v)))[valid].min(axis=-1).max() > 1e-3
+
+
+def test_train_attention_is_checked_and_cudnn_needs_a_gpu():
+  with pytest.raises(ValueError, match="train_attention='flash' must be 'xla' or 'cudnn'"):
+    tiny_config(train_attention="flash")
+  config = tiny_config(train_attention="cudnn", dtype="bfloat16")
+  model = random_model(config, 0)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 8)))
+  positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
+  if jax.default_backend() == "gpu":  # cuDNN runs: the XLA attention's logits, to bf16 rounding
+    xla = Transformer(config.replace(train_attention="xla"), model.params(), lora=model.lora)
+    np.testing.assert_allclose(np.asarray(model(tokens, positions), np.float32),
+                               np.asarray(xla(tokens, positions), np.float32), rtol=0.05, atol=0.05)
+    return
+  with pytest.raises(ValueError, match="needs a GPU with cuDNN; the backend is 'cpu'"):
+    model(tokens, positions)
+
+
 def test_prefill_at_a_static_cache_index_attends_only_to_visible_slots(model_and_seed):
   # cache_index a Python int: the prefill's attention covers slots [0, P) instead of the whole cache; the
   # result must equal the traced-index forward (which masks the later slots) on every real token.

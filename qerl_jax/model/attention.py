@@ -59,8 +59,11 @@ def attention_mask(query_slots_BxT: jax.Array, num_slots: int, valid_BxS: jax.Ar
 
 
 def attend(q_BxTxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, mask_BxTxS: jax.Array,
-           query_chunk: int = 0) -> jax.Array:
+           query_chunk: int = 0, implementation: str = "xla") -> jax.Array:
   """Grouped-query attention; returns [B, T, H * Dh] in q's dtype.
+
+  implementation "cudnn": `jax.nn.dot_product_attention`'s fused cuDNN kernel (GPU only; ModelConfig.train_attention),
+  the mask passed as its additive bias; query_chunk does not apply (no scores are held in memory).
 
   The H query heads are split into Hkv groups of H / Hkv that share one k/v head (q head h uses kv head
   h // (H / Hkv), as transformers' repeat_kv does), without materialising repeated k/v.
@@ -69,6 +72,13 @@ def attend(q_BxTxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, 
   [B, H, T, S] (at T = S = 8704, 40 heads: 1.4 GB per row at chunk 1024 instead of 12 GB). Every query row
   has its own softmax, so the result is the same as in one block.
   """
+  if implementation == "cudnn":
+    if jax.default_backend() != "gpu":
+      raise ValueError(f"train_attention='cudnn' needs a GPU with cuDNN; the backend is {jax.default_backend()!r}: "
+                       "use 'xla'")
+    return fused_attend(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS, "cudnn")
+  if implementation != "xla":
+    raise ValueError(f"{implementation=} must be 'xla' or 'cudnn'")
   t = q_BxTxHxDh.shape[1]
   if query_chunk <= 0 or t <= query_chunk:
     return _attend_block(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS)
@@ -83,6 +93,18 @@ def attend(q_BxTxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, 
   block = jax.checkpoint(lambda qm: _attend_block(qm[0], k_BxSxKxDh, v_BxSxKxDh, qm[1]))
   out_NxBxCxE = jax.lax.map(block, (q_NxBxCxHxDh, mask_NxBxCxS))
   return out_NxBxCxE.swapaxes(0, 1).reshape(b, num * chunk, h * dh)[:, :t]
+
+
+def fused_attend(q_BxTxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, mask_BxTxS: jax.Array,
+                 implementation: str) -> jax.Array:
+  """`attend` through `jax.nn.dot_product_attention` ("cudnn": the fused kernel; "xla": the same function's
+  XLA lowering, which the CPU tests use to check this wrapper). [B, T, H * Dh] in q's dtype."""
+  b, t, h, dh = q_BxTxHxDh.shape
+  k, v = (x.astype(q_BxTxHxDh.dtype) for x in (k_BxSxKxDh, v_BxSxKxDh))
+  # A boolean mask becomes an additive bias of a large negative number: rows that see nothing (left padding)
+  # stay finite, as in attend.
+  out = jax.nn.dot_product_attention(q_BxTxHxDh, k, v, mask=mask_BxTxS[:, None], implementation=implementation)
+  return out.reshape(b, t, h * dh)
 
 
 def _attend_block(q_BxTxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array,

@@ -57,6 +57,10 @@ class ModelConfig:
   remat_policy: str = "nothing_saveable"  # a name in jax.checkpoint_policies
   # Queries per attention block for long sequences (0: all at once); see attention.attend.
   attn_query_chunk: int = 1024
+  # Attention of a forward without a KV cache (the log-prob pass and the update): "xla" (attention.attend:
+  # float32 scores in memory, in attn_query_chunk blocks) or "cudnn" (jax.nn.dot_product_attention's fused
+  # cuDNN kernel, GPU only: the scores stay on chip). experiments/bench_train_attention.py compares them.
+  train_attention: str = "xla"
   # One-token decode steps: "xla" (attention.attend over the layer's whole cache), "pallas"
   # (qerl_kernels.decode_attention reads the layer's cache in place, up to the token's own slot; interpret mode
   # off the GPU) or "auto" (pallas on a GPU, xla elsewhere). On an H200 at e7ec3b0 (7B, slot 768 of 1280)
@@ -149,6 +153,8 @@ class ModelConfig:
       raise ValueError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+    if self.train_attention not in ("xla", "cudnn"):
+      raise ValueError(f"train_attention={self.train_attention!r} must be 'xla' or 'cudnn'")
     if self.decode_attention not in ("xla", "pallas", "auto"):
       raise ValueError(f"decode_attention={self.decode_attention!r} must be 'xla', 'pallas' or 'auto'")
     if self.decode_partials not in ("xla", "pallas", "auto"):
