@@ -13,7 +13,8 @@ peak is the larger of the two.
 Exact parts: weights (shapes from `jax.eval_shape` of the base, split per device by the partition rules of
 `qerl_jax.sharding`), adapters, AdamW moments, KV cache, batch. Modelled parts: activations (the residual
 stream saved per layer under remat, plus one layer's forward + backward working set: the attention scores
-[b, H, block, S] in float32 (query blocks of attention.attend), the MLP's float32 gate/up and their
+[b, H, block, S] in float32 (query blocks of attention.attend; with ModelConfig.train_attention='cudnn' the
+mask as a bf16 bias [b, 1, S, S] and float32 softmax statistics instead), the MLP's float32 gate/up and their
 gradients, ~12 hidden-sized buffers) and the log-prob slices. XLA's buffer assignment reuses and fuses, so
 those are an upper-bound style estimate; tests/test_memory.py measures the gap against
 `compiled.memory_analysis()`.
@@ -212,7 +213,10 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
   n_cols = update_len or max_new_tokens
   seq = prompt_len + n_cols
   d = cfg.hidden_size
-  attn_saved = b * heads * _query_block(seq, cfg.attn_query_chunk) * seq * (4 + it)  # f32 scores and probs
+  if cfg.train_attention == "cudnn":  # fused: the mask as a [b, 1, S, S] bias, float32 softmax statistics
+    attn_saved = b * seq * seq * it + b * heads * seq * 4
+  else:
+    attn_saved = b * heads * _query_block(seq, cfg.attn_query_chunk) * seq * (4 + it)  # f32 scores and probs
   mlp_saved = b * seq * ffn * (2 * 4 + it)  # f32 gate, up; their product in the model dtype
   hidden_saved = b * seq * (8 * d + 2 * cfg.q_size + 2 * cfg.kv_size) * it  # norms, q/k/v, o, residuals
   lora_saved = b * seq * lora_rank * len(lora_targets) * lora_it

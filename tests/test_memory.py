@@ -136,6 +136,21 @@ def test_remat_and_micro_batch_move_the_estimate_the_right_way():
   assert remat.kv_cache == small.kv_cache  # the rollout does not depend on the update's micro-batch
 
 
+def test_fused_training_attention_plans_its_bias_instead_of_the_scores():
+  # attend holds float32 scores and bf16 probabilities for a block of queries; cuDNN holds the mask as a bf16
+  # bias and float32 softmax statistics. Per layer of one micro-batch (2 rows, 640 slots, 4 heads, query
+  # blocks of 320): 2 * 4 * 320 * 640 * 6 bytes against 2 * 640 * 640 * 2 + 2 * 4 * 640 * 4.
+  cfg = ModelConfig(**TINY, dtype=jnp.bfloat16, attn_query_chunk=320)
+  kw = dict(batch=4, prompt_len=128, max_new_tokens=512, lora_rank=8, micro_batch=2)
+  per_layer = 2 * 4 * 320 * 640 * 6 - (2 * 640 * 640 * 2 + 2 * 4 * 640 * 4)
+  # The backward of one layer holds its values twice (values and gradients); without remat all 2 layers' stay.
+  for remat, layers_held in ((True, 2), (False, 2 + 2)):
+    xla = memory.plan(cfg, "nvfp4", remat=remat, **kw)
+    fused = memory.plan(cfg.replace(train_attention="cudnn"), "nvfp4", remat=remat, **kw)
+    assert xla.activations - fused.activations == layers_held * per_layer
+    assert xla.kv_cache == fused.kv_cache and xla.weights == fused.weights
+
+
 def _update_compiled(cfg, quant, micro, prompt, new, seed):
   rng = np.random.default_rng(seed)
   base = random_base(cfg, jax.random.key(seed), quant)
