@@ -601,6 +601,7 @@ def test_triton_gemv_probe_matches_numpy_and_pipelines_only_when_asked():
       assert r["cp_async"] > 0 and r["ld_global"] == 0 and r["shared"] > 2048, r
 
 
+@pytest.mark.slow  # ~7 s: CI is near its 10-minute limit (567 s at the last landing); `pytest -m slow`
 def test_bench_train_attention_checks_each_implementation_before_timing_it():
   # bf16 inputs against attend in float32 on the rows that see something: ~1e-3 of the largest value. cuDNN has no
   # CPU kernel, so its record says why it was not timed.
