@@ -50,10 +50,12 @@ def implementations(query_chunk: int):
   def model(q, k, v, mask):
     return attn.attend(q, k, v, mask, query_chunk)
 
-  def fused(impl):
-    return lambda q, k, v, mask: attn.fused_attend(q, k, v, mask, impl)
+  def fused(impl, causal):
+    return lambda q, k, v, mask: attn.fused_attend(q, k, v, mask, impl, causal)
 
-  return {"model": model, "jax-xla": fused("xla"), "cudnn": fused("cudnn")}
+  # "cudnn-causal" is what the model runs (ModelConfig.train_attention="cudnn"): the mask and the causal type.
+  return {"model": model, "jax-xla": fused("xla", False), "cudnn": fused("cudnn", False),
+          "cudnn-causal": fused("cudnn", True)}
 
 
 def check(fn, q, k, v, mask, valid_BxS, cot) -> dict:
@@ -101,7 +103,7 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--seq", type=int, default=1280, help="slots (prompt + completion)")
   p.add_argument("--max-pad", type=int, default=200, help="left padding of up to this many slots per row")
   p.add_argument("--query-chunk", type=int, default=1024, help="the model's attn_query_chunk")
-  p.add_argument("--impls", nargs="+", default=["model", "jax-xla", "cudnn"])
+  p.add_argument("--impls", nargs="+", default=["model", "jax-xla", "cudnn", "cudnn-causal"])
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--check-rows", type=int, default=2, help="rows of the float32 check (it holds [B, H, S, S])")
   p.add_argument("--out", default=None)

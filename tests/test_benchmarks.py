@@ -609,10 +609,11 @@ def test_bench_train_attention_checks_each_implementation_before_timing_it():
   records = bench_train_attention.main(["--rows", "2", "--seq", "40", "--max-pad", "9", "--query-chunk", "16",
                                         "--reps", "1"])
   by_impl = {r["impl"]: r for r in records}
-  assert sorted(by_impl) == ["cudnn", "jax-xla", "model"]
+  assert sorted(by_impl) == ["cudnn", "cudnn-causal", "jax-xla", "model"]
   for name in ("model", "jax-xla"):
     errs = by_impl[name]["error"]
     assert sorted(errs) == ["dk", "dq", "dv", "out"]
     assert all(1e-5 < e < 2e-2 for e in errs.values()), (name, errs)
     assert by_impl[name]["fwd_us"] > 0 and by_impl[name]["fwd_bwd_us"] > 0
-  assert "cuDNN" in by_impl["cudnn"]["failed"] and "fwd_us" not in by_impl["cudnn"]
+  for name in ("cudnn", "cudnn-causal"):
+    assert "cuDNN" in by_impl[name]["failed"] and "fwd_us" not in by_impl[name]

@@ -269,13 +269,15 @@ def test_fused_attend_gives_attends_outputs_and_gradients_on_left_padded_rows():
     return jnp.sum(jnp.where(rows, f(q, k, v) * cot, 0.0))
 
   ref = lambda q, k, v: attn.attend(q, k, v, mask)  # noqa: E731
-  fused = lambda q, k, v: attn.fused_attend(q, k, v, mask, "xla")  # noqa: E731
-  np.testing.assert_allclose(np.asarray(fused(q, k, v))[valid], np.asarray(ref(q, k, v))[valid], rtol=1e-5, atol=1e-5)
   g_ref = jax.grad(functools.partial(loss, ref), argnums=(0, 1, 2))(q, k, v)
-  g_fused = jax.grad(functools.partial(loss, fused), argnums=(0, 1, 2))(q, k, v)
-  for a, c in zip(g_ref, g_fused):
-    assert np.abs(np.asarray(a)).max() > 0.1
-    np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-4, atol=1e-5)
+  for causal in (False, True):  # the causal type on top of a causal mask changes nothing
+    fused = lambda q, k, v, c=causal: attn.fused_attend(q, k, v, mask, "xla", c)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(fused(q, k, v))[valid], np.asarray(ref(q, k, v))[valid], rtol=1e-5,
+                               atol=1e-5)
+    g_fused = jax.grad(functools.partial(loss, fused), argnums=(0, 1, 2))(q, k, v)
+    for a, c in zip(g_ref, g_fused):
+      assert np.abs(np.asarray(a)).max() > 0.1
+      np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-4, atol=1e-5)
   # Each query head reads its own group's k and v: swapping the two kv heads changes every valid output.
   swapped = attn.fused_attend(q, k[:, :, ::-1], v[:, :, ::-1], mask, "xla")
   assert np.abs(np.asarray(swapped) - np.asarray(ref(q, k, v)))[valid].min(axis=-1).max() > 1e-3

@@ -59,11 +59,12 @@ def attention_mask(query_slots_BxT: jax.Array, num_slots: int, valid_BxS: jax.Ar
 
 
 def attend(q_BxTxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, mask_BxTxS: jax.Array,
-           query_chunk: int = 0, implementation: str = "xla") -> jax.Array:
+           query_chunk: int = 0, implementation: str = "xla", causal: bool = False) -> jax.Array:
   """Grouped-query attention; returns [B, T, H * Dh] in q's dtype.
 
   implementation "cudnn": `jax.nn.dot_product_attention`'s fused cuDNN kernel (GPU only; ModelConfig.train_attention),
-  the mask passed as its additive bias; query_chunk does not apply (no scores are held in memory).
+  the mask passed as its additive bias; query_chunk does not apply (no scores are held in memory). causal: the
+  caller's promise that query t (T == S) sees no slot past t, which lets the fused kernel skip those blocks.
 
   The H query heads are split into Hkv groups of H / Hkv that share one k/v head (q head h uses kv head
   h // (H / Hkv), as transformers' repeat_kv does), without materialising repeated k/v.
@@ -76,7 +77,7 @@ def attend(q_BxTxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, 
     if jax.default_backend() != "gpu":
       raise ValueError(f"train_attention='cudnn' needs a GPU with cuDNN; the backend is {jax.default_backend()!r}: "
                        "use 'xla'")
-    return fused_attend(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS, "cudnn")
+    return fused_attend(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS, "cudnn", causal)
   if implementation != "xla":
     raise ValueError(f"{implementation=} must be 'xla' or 'cudnn'")
   t = q_BxTxHxDh.shape[1]
@@ -96,14 +97,16 @@ def attend(q_BxTxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, 
 
 
 def fused_attend(q_BxTxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, mask_BxTxS: jax.Array,
-                 implementation: str) -> jax.Array:
+                 implementation: str, causal: bool = False) -> jax.Array:
   """`attend` through `jax.nn.dot_product_attention` ("cudnn": the fused kernel; "xla": the same function's
-  XLA lowering, which the CPU tests use to check this wrapper). [B, T, H * Dh] in q's dtype."""
+  XLA lowering, which the CPU tests use to check this wrapper). [B, T, H * Dh] in q's dtype. causal (T == S
+  and the mask sees no later slot): the causal mask type as well, so cuDNN skips the blocks past the diagonal."""
   b, t, h, dh = q_BxTxHxDh.shape
   k, v = (x.astype(q_BxTxHxDh.dtype) for x in (k_BxSxKxDh, v_BxSxKxDh))
   # A boolean mask becomes an additive bias of a large negative number: rows that see nothing (left padding)
   # stay finite, as in attend.
-  out = jax.nn.dot_product_attention(q_BxTxHxDh, k, v, mask=mask_BxTxS[:, None], implementation=implementation)
+  out = jax.nn.dot_product_attention(q_BxTxHxDh, k, v, mask=mask_BxTxS[:, None], is_causal=causal,
+                                     implementation=implementation)
   return out.reshape(b, t, h * dh)
 
 
