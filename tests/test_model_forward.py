@@ -286,6 +286,8 @@ def test_fused_attend_gives_attends_outputs_and_gradients_on_left_padded_rows():
 def test_train_attention_is_checked_and_cudnn_needs_a_gpu():
   with pytest.raises(ValueError, match="train_attention='flash' must be 'xla' or 'cudnn'"):
     tiny_config(train_attention="flash")
+  with pytest.raises(ValueError, match="train_attention='cudnn' needs dtype bfloat16 or float16"):
+    tiny_config(train_attention="cudnn")  # the tiny config's float32
   config = tiny_config(train_attention="cudnn", dtype="bfloat16")
   model = random_model(config, 0)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 8)))

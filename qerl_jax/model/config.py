@@ -155,6 +155,9 @@ class ModelConfig:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
     if self.train_attention not in ("xla", "cudnn"):
       raise ValueError(f"train_attention={self.train_attention!r} must be 'xla' or 'cudnn'")
+    if self.train_attention == "cudnn" and self.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+      raise ValueError(f"train_attention='cudnn' needs dtype bfloat16 or float16 (cuDNN's fused attention), not "
+                       f"{self.dtype}: use train_attention='xla'")
     if self.decode_attention not in ("xla", "pallas", "auto"):
       raise ValueError(f"decode_attention={self.decode_attention!r} must be 'xla', 'pallas' or 'auto'")
     if self.decode_partials not in ("xla", "pallas", "auto"):
