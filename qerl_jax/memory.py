@@ -223,6 +223,10 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
   one_layer = attn_saved + mlp_saved + hidden_saved + lora_saved
   # The backward of one layer holds its saved values plus gradients of about the same size.
   working = 2 * one_layer
+  if remat and cfg.remat_policy != "nothing_saveable":
+    # A policy that saves some values (dots, names) holds at most what no remat holds: plan that bound.
+    notes.append(f"remat_policy={cfg.remat_policy!r} saves values: the activations are planned as without remat")
+    remat = False
   if remat:
     activations = cfg.num_layers * b * seq * d * it + working
   else:

@@ -136,6 +136,20 @@ def test_remat_and_micro_batch_move_the_estimate_the_right_way():
   assert remat.kv_cache == small.kv_cache  # the rollout does not depend on the update's micro-batch
 
 
+def test_a_remat_policy_that_saves_values_is_planned_as_no_remat():
+  # Only nothing_saveable holds just the residual stream per layer; a policy that saves dots (or names) holds at
+  # most what no remat holds, so the planner plans that bound and says so rather than under-plan.
+  cfg = ModelConfig(**TINY, dtype=jnp.bfloat16)
+  kw = dict(batch=8, prompt_len=64, max_new_tokens=256, lora_rank=8, micro_batch=4)
+  plain = memory.plan(cfg, "nvfp4", remat=True, **kw)
+  full = memory.plan(cfg, "nvfp4", remat=False, **kw)
+  dots = memory.plan(cfg.replace(remat_policy="dots_saveable"), "nvfp4", remat=True, **kw)
+  assert plain.activations < full.activations == dots.activations
+  assert any("remat_policy='dots_saveable'" in n for n in dots.notes) and not plain.notes
+  with pytest.raises(ValueError, match="remat_policy='dots_everything' is not a policy in jax.checkpoint_policies"):
+    cfg.replace(remat_policy="dots_everything")
+
+
 def test_fused_training_attention_plans_its_bias_instead_of_the_scores():
   # attend holds float32 scores and bf16 probabilities for a block of queries; cuDNN holds the mask as a bf16
   # bias and float32 softmax statistics. Per layer of one micro-batch (2 rows, 640 slots, 4 heads, query

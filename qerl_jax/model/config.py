@@ -19,6 +19,7 @@ import math
 import os
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -153,6 +154,9 @@ class ModelConfig:
       raise ValueError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+    if not callable(getattr(jax.checkpoint_policies, str(self.remat_policy), None)):
+      raise ValueError(f"remat_policy={self.remat_policy!r} is not a policy in jax.checkpoint_policies "
+                       "(e.g. 'nothing_saveable', 'dots_saveable')")
     if self.train_attention not in ("xla", "cudnn"):
       raise ValueError(f"train_attention={self.train_attention!r} must be 'xla' or 'cudnn'")
     if self.train_attention == "cudnn" and self.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
