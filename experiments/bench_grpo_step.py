@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rollout import (QWEN25, _filler, add_per_run_flags, merged_groups, model_config,  # noqa: E402
                            refuse_per_run_flags, synthetic_base)
 from experiments.provenance import commit  # noqa: E402
+from qerl_jax.model.config import TRAIN_ATTENTION  # noqa: E402
 
 
 def sharded_synthetic_base(config, quant: str, mesh, seed: int = 0):
@@ -216,7 +217,7 @@ def main():
   p.add_argument("--rollout-base-dtype", default="", choices=["", "bfloat16"],
                  help="NVFP4: the rollout dequantizes the base once into a bf16 copy "
                       "(ModelConfig.rollout_base_dtype; '' = the fused kernels)")
-  p.add_argument("--train-attention", default="xla", choices=["xla", "cudnn"],
+  p.add_argument("--train-attention", default="xla", choices=TRAIN_ATTENTION,
                  help="the log-prob pass's and the update's attention (ModelConfig.train_attention)")
   p.add_argument("--merged-launches", default="auto", metavar="GROUPS",
                  help="NVFP4: q|k|v and gate|up as one launch each in the rollout "

@@ -7,9 +7,9 @@ The log-prob pass and the GRPO update run full-sequence attention over every mic
 `attention.attend` forms float32 scores [B, Hkv, G, T, S] in memory; a fused kernel keeps them on chip. This
 script asks whether that matters at the shapes the GRPO step uses, before the model is given a choice.
 
-For each shape it first checks every implementation against a float32 NumPy-free reference (`attend` on float32
-inputs) on the query rows that see something (left-padded prompts: padded query rows are garbage by design
-and dropped by the loss), forward and the gradients of a random cotangent; then it times forward and
+For each shape it first checks every implementation against `attend` on float32 inputs, on the query rows that
+see something (left-padded prompts: padded query rows are garbage by design and dropped by the loss), forward
+and the gradients of a random cotangent; then it times forward and
 forward + backward (medians of `--reps` host-timed calls with `block_until_ready`). It prints a table and
 writes the records to `--out` (and appends them to experiments/results/train_attention.jsonl with `--record`).
 """
@@ -75,11 +75,9 @@ def check(fn, q, k, v, mask, valid_BxS, cot) -> dict:
   out = jax.jit(fn)(q, k, v, mask).astype(jnp.float32)
   grads = jax.jit(jax.grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2)))(q, k, v)
 
-  def rel(a, b, where=None):
-    d = jnp.abs(a.astype(jnp.float32) - b)
-    if where is not None:
-      d = jnp.where(where, d, 0.0)
-    return float(jnp.max(d) / jnp.max(jnp.abs(b)))
+  def rel(a, b, where=True):  # both the error and the scale over the rows that see something
+    d = jnp.where(where, jnp.abs(a.astype(jnp.float32) - b), 0.0)
+    return float(jnp.max(d) / jnp.max(jnp.where(where, jnp.abs(b), 0.0)))
 
   return {"out": rel(out, ref_out, rows), "dq": rel(grads[0], ref_grads[0], valid_BxS[:, :, None, None]),
           "dk": rel(grads[1], ref_grads[1]), "dv": rel(grads[2], ref_grads[2])}

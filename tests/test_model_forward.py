@@ -278,7 +278,8 @@ def test_fused_attend_gives_attends_outputs_and_gradients_on_left_padded_rows():
     for a, c in zip(g_ref, g_fused):
       assert np.abs(np.asarray(a)).max() > 0.1
       np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-4, atol=1e-5)
-  # Each query head reads its own group's k and v: swapping the two kv heads changes every valid output.
+  # Each query head reads its own group's k and v: with the two kv heads swapped, some valid row differs from
+  # attend's in every feature.
   swapped = attn.fused_attend(q, k[:, :, ::-1], v[:, :, ::-1], mask, "xla")
   assert np.abs(np.asarray(swapped) - np.asarray(ref(q, k, v)))[valid].min(axis=-1).max() > 1e-3
 

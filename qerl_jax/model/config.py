@@ -26,6 +26,7 @@ import numpy as np
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MERGEABLE_GROUPS = ("qkv", "gate_up")  # transformer.SHARED_INPUT: projections of one input
+TRAIN_ATTENTION = ("xla", "cudnn")  # ModelConfig.train_attention
 # Model types that are the Llama graph under another name.
 _ARCH_ALIASES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -157,7 +158,7 @@ class ModelConfig:
     if not callable(getattr(jax.checkpoint_policies, str(self.remat_policy), None)):
       raise ValueError(f"remat_policy={self.remat_policy!r} is not a policy in jax.checkpoint_policies "
                        "(e.g. 'nothing_saveable', 'dots_saveable')")
-    if self.train_attention not in ("xla", "cudnn"):
+    if self.train_attention not in TRAIN_ATTENTION:
       raise ValueError(f"train_attention={self.train_attention!r} must be 'xla' or 'cudnn'")
     if self.train_attention == "cudnn" and self.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
       raise ValueError(f"train_attention='cudnn' needs dtype bfloat16 or float16 (cuDNN's fused attention), not "

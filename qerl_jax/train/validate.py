@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 
-from qerl_jax.model.config import MERGEABLE_GROUPS, parse_merged_launches
+from qerl_jax.model.config import MERGEABLE_GROUPS, TRAIN_ATTENTION, parse_merged_launches
 from qerl_jax.rl import LOSS_TYPES
 from qerl_jax.rl.aqn import DEFAULT_TARGETS, SCHEDULES, sigma_per_stage
 from qerl_jax.train.setup import BUILTIN_SMOLLM2, EVAL_DATASETS, TRAIN_DATASETS
@@ -58,7 +58,7 @@ def validate_config(config) -> None:
   _need(m.lora_alpha > 0, f"model.lora_alpha={m.lora_alpha} must be > 0")
   _need(m.get("decode_layers", "unrolled") in ("unrolled", "scan"),
         f"model.decode_layers={m.get('decode_layers')!r} must be 'unrolled' or 'scan'")
-  _need(m.get("train_attention", "xla") in ("xla", "cudnn"),
+  _need(m.get("train_attention", "xla") in TRAIN_ATTENTION,
         f"model.train_attention={m.get('train_attention')!r} must be 'xla' or 'cudnn'")
   merged = parse_merged_launches(m.get("rollout_merged_launches", "auto"))
   _need(merged is None or set(merged) <= set(MERGEABLE_GROUPS),
