@@ -53,7 +53,7 @@ def recipe() -> ml_collections.ConfigDict:
   c.model.gemv_lora_xa = True  # NVFP4: the adapters' x @ A in the gemv's launch at decode rows (ModelConfig)
   c.model.rollout_lora_dtype = ""  # "bfloat16": rollouts use bf16 copies of the float32 adapters (ModelConfig)
   c.model.rollout_base_dtype = ""  # "bfloat16": rollouts dequantize the base once, into a copy (ModelConfig)
-  c.model.train_attention = "xla"  # log-prob pass and update: "xla" | "cudnn" (GPU; fused, see ModelConfig)
+  c.model.train_attention = "auto"  # log-prob pass and update: "auto" | "xla" | "cudnn" (GPU; see ModelConfig)
   c.model.rollout_merged_launches = "auto"  # NVFP4 q|k|v, gate|up as one launch each: auto | none | "qkv,gate_up"
   c.model.dequantize_base = False  # keep a dequantized copy of the frozen base (CPU: no fused kernel)
   # A random-weight model of this architecture instead of model.path (smoke runs; HF config field names).

@@ -184,7 +184,7 @@ def run_one(args) -> dict:
     device=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit(),
     decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora,
     rollout_lora_dtype=args.rollout_lora_dtype, rollout_base_dtype=args.rollout_base_dtype,
-    train_attention=args.train_attention,
+    train_attention=args.train_attention, train_attention_impl=config.train_attention_impl,
     rollout_merged_launches=",".join(config.merged_launch_groups) if args.quant == "nvfp4" else "")
 
 
@@ -217,7 +217,7 @@ def main():
   p.add_argument("--rollout-base-dtype", default="", choices=["", "bfloat16"],
                  help="NVFP4: the rollout dequantizes the base once into a bf16 copy "
                       "(ModelConfig.rollout_base_dtype; '' = the fused kernels)")
-  p.add_argument("--train-attention", default="xla", choices=TRAIN_ATTENTION,
+  p.add_argument("--train-attention", default="auto", choices=TRAIN_ATTENTION,
                  help="the log-prob pass's and the update's attention (ModelConfig.train_attention)")
   p.add_argument("--merged-launches", default="auto", metavar="GROUPS",
                  help="NVFP4: q|k|v and gate|up as one launch each in the rollout "

@@ -213,7 +213,7 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
   n_cols = update_len or max_new_tokens
   seq = prompt_len + n_cols
   d = cfg.hidden_size
-  if cfg.train_attention == "cudnn":  # fused: the mask as a [b, 1, S, S] bias, float32 softmax statistics
+  if cfg.train_attention_impl == "cudnn":  # fused: the mask as a [b, 1, S, S] bias, float32 softmax statistics
     attn_saved = b * seq * seq * it + b * heads * seq * 4
   else:
     attn_saved = b * heads * _query_block(seq, cfg.attn_query_chunk) * seq * (4 + it)  # f32 scores and probs

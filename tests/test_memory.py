@@ -159,10 +159,13 @@ def test_fused_training_attention_plans_its_bias_instead_of_the_scores():
   per_layer = 2 * 4 * 320 * 640 * 6 - (2 * 640 * 640 * 2 + 2 * 4 * 640 * 4)
   # The backward of one layer holds its values twice (values and gradients); without remat all 2 layers' stay.
   for remat, layers_held in ((True, 2), (False, 2 + 2)):
-    xla = memory.plan(cfg, "nvfp4", remat=remat, **kw)
+    xla = memory.plan(cfg.replace(train_attention="xla"), "nvfp4", remat=remat, **kw)
     fused = memory.plan(cfg.replace(train_attention="cudnn"), "nvfp4", remat=remat, **kw)
     assert xla.activations - fused.activations == layers_held * per_layer
     assert xla.kv_cache == fused.kv_cache and xla.weights == fused.weights
+    # "auto" (the default) is planned as what it runs on this backend: xla on the CPU, cudnn on a Hopper GPU.
+    auto = memory.plan(cfg.replace(train_attention="auto"), "nvfp4", remat=remat, **kw)
+    assert auto.activations == {"xla": xla, "cudnn": fused}[cfg.train_attention_impl].activations
 
 
 def _update_compiled(cfg, quant, micro, prompt, new, seed):

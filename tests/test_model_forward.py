@@ -12,6 +12,7 @@ from flax import nnx
 from qerl_jax.model import (
   LoraConfig, ModelConfig, Transformer, base_matmul, init_cache, random_base, split_params,
 )
+from qerl_jax.model.config import pick_train_attention
 from qerl_jax.model.testing import fresh_seed
 from qerl_jax.model.transformer import forward
 
@@ -284,8 +285,27 @@ def test_fused_attend_gives_attends_outputs_and_gradients_on_left_padded_rows():
   assert np.abs(np.asarray(swapped) - np.asarray(ref(q, k, v)))[valid].min(axis=-1).max() > 1e-3
 
 
+def test_auto_train_attention_picks_cudnn_only_where_its_fused_kernel_takes_the_shapes():
+  hopper = dict(backend="gpu", compute_capability="9.0", dtype=jnp.bfloat16, head_dim=128)
+  assert pick_train_attention("auto", **hopper) == "cudnn"
+  assert pick_train_attention("auto", **{**hopper, "dtype": jnp.float16, "head_dim": 64}) == "cudnn"
+  assert pick_train_attention("auto", **{**hopper, "compute_capability": "8.0"}) == "cudnn"
+  assert pick_train_attention("auto", **{**hopper, "compute_capability": "10.0"}) == "cudnn"
+  for off in (dict(backend="cpu", compute_capability=None), dict(backend="gpu", compute_capability=None),  # ROCm
+              dict(compute_capability="7.5"), dict(dtype=jnp.float32), dict(head_dim=256), dict(head_dim=100)):
+    assert pick_train_attention("auto", **{**hopper, **off}) == "xla", off
+  assert pick_train_attention("xla", **hopper) == "xla"
+  assert pick_train_attention("cudnn", **{**hopper, "backend": "cpu"}) == "cudnn"  # named: attend refuses it
+  # The default is "auto", which a float32 model takes (it resolves to xla); on the CPU it runs attend.
+  config = tiny_config()
+  assert config.train_attention == "auto" and config.dtype == jnp.float32
+  assert config.train_attention_impl == "xla"
+  if jax.default_backend() == "cpu":
+    assert tiny_config(dtype="bfloat16").train_attention_impl == "xla"
+
+
 def test_train_attention_is_checked_and_cudnn_needs_a_gpu():
-  with pytest.raises(ValueError, match="train_attention='flash' must be 'xla' or 'cudnn'"):
+  with pytest.raises(ValueError, match=r"train_attention='flash' must be one of \('auto', 'xla', 'cudnn'\)"):
     tiny_config(train_attention="flash")
   with pytest.raises(ValueError, match="train_attention='cudnn' needs dtype bfloat16 or float16"):
     tiny_config(train_attention="cudnn")  # the tiny config's float32
@@ -298,7 +318,7 @@ def test_train_attention_is_checked_and_cudnn_needs_a_gpu():
     np.testing.assert_allclose(np.asarray(model(tokens, positions), np.float32),
                                np.asarray(xla(tokens, positions), np.float32), rtol=0.05, atol=0.05)
     return
-  with pytest.raises(ValueError, match="needs a GPU with cuDNN; the backend is 'cpu'"):
+  with pytest.raises(ValueError, match="needs a GPU with cuDNN; the backend is 'cpu': use 'auto' or 'xla'"):
     model(tokens, positions)
 
 

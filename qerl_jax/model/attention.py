@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qerl_jax.model.config import TRAIN_ATTENTION, ModelConfig, rope_inv_freq
+from qerl_jax.model.config import ModelConfig, rope_inv_freq
 
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
 
@@ -76,10 +76,10 @@ def attend(q_BxTxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, 
   if implementation == "cudnn":
     if jax.default_backend() != "gpu":
       raise ValueError(f"train_attention='cudnn' needs a GPU with cuDNN; the backend is {jax.default_backend()!r}: "
-                       "use 'xla'")
+                       "use 'auto' or 'xla'")
     return fused_attend(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS, "cudnn", causal)
-  if implementation not in TRAIN_ATTENTION:
-    raise ValueError(f"{implementation=} must be one of {TRAIN_ATTENTION}")
+  if implementation != "xla":  # "auto" is resolved by the caller (ModelConfig.train_attention_impl)
+    raise ValueError(f"{implementation=} must be 'xla' or 'cudnn'")
   t = q_BxTxHxDh.shape[1]
   if query_chunk <= 0 or t <= query_chunk:
     return _attend_block(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS)

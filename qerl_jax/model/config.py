@@ -26,7 +26,7 @@ import numpy as np
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MERGEABLE_GROUPS = ("qkv", "gate_up")  # transformer.SHARED_INPUT: projections of one input
-TRAIN_ATTENTION = ("xla", "cudnn")  # ModelConfig.train_attention
+TRAIN_ATTENTION = ("auto", "xla", "cudnn")  # ModelConfig.train_attention
 # Model types that are the Llama graph under another name.
 _ARCH_ALIASES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -60,9 +60,12 @@ class ModelConfig:
   # Queries per attention block for long sequences (0: all at once); see attention.attend.
   attn_query_chunk: int = 1024
   # Attention of a forward without a KV cache (the log-prob pass and the update): "xla" (attention.attend:
-  # float32 scores in memory, in attn_query_chunk blocks) or "cudnn" (jax.nn.dot_product_attention's fused
-  # cuDNN kernel, GPU only: the scores stay on chip). experiments/bench_train_attention.py compares them.
-  train_attention: str = "xla"
+  # float32 scores in memory, in attn_query_chunk blocks), "cudnn" (jax.nn.dot_product_attention's fused
+  # cuDNN kernel, GPU only: the scores stay on chip) or "auto" (cudnn where pick_train_attention says cuDNN
+  # takes the shapes, xla elsewhere). On an H100 at c619f2e (experiments/bench_train_attention.py, 7B, 8 x 1280)
+  # cudnn took fwd+bwd 11.09 -> 2.28 ms per layer call, and the 7B GRPO step 22.97 -> 18.85 s (NVFP4), 25.17 ->
+  # 21.13 s (bf16).
+  train_attention: str = "auto"
   # One-token decode steps: "xla" (attention.attend over the layer's whole cache), "pallas"
   # (qerl_kernels.decode_attention reads the layer's cache in place, up to the token's own slot; interpret mode
   # off the GPU) or "auto" (pallas on a GPU, xla elsewhere). On an H200 at e7ec3b0 (7B, slot 768 of 1280)
@@ -159,7 +162,7 @@ class ModelConfig:
       raise ValueError(f"remat_policy={self.remat_policy!r} is not a policy in jax.checkpoint_policies "
                        "(e.g. 'nothing_saveable', 'dots_saveable')")
     if self.train_attention not in TRAIN_ATTENTION:
-      raise ValueError(f"train_attention={self.train_attention!r} must be 'xla' or 'cudnn'")
+      raise ValueError(f"train_attention={self.train_attention!r} must be one of {TRAIN_ATTENTION}")
     if self.train_attention == "cudnn" and self.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
       raise ValueError(f"train_attention='cudnn' needs dtype bfloat16 or float16 (cuDNN's fused attention), not "
                        f"{self.dtype}: use train_attention='xla'")
@@ -206,6 +209,14 @@ class ModelConfig:
     if self.rollout_merged_launches is not None:
       return self.rollout_merged_launches
     return MERGEABLE_GROUPS if self.decode_layers == "unrolled" and not self.rollout_base_dtype else ()
+
+  @property
+  def train_attention_impl(self) -> str:
+    """"xla" or "cudnn": train_attention with "auto" resolved for this process's first device."""
+    device = jax.devices()[0]
+    return pick_train_attention(self.train_attention, backend=jax.default_backend(),
+                                compute_capability=getattr(device, "compute_capability", None), dtype=self.dtype,
+                                head_dim=self.head_dim)
 
   @property
   def q_size(self) -> int:
@@ -426,6 +437,19 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...]
   if params["rope_type"] in ("yarn", "llama3") and not params.get("original_max_position_embeddings"):
     params["original_max_position_embeddings"] = int(d.get("max_position_embeddings", 32768))
   return theta, tuple(sorted((k, v) for k, v in params.items() if v is not None))
+
+
+def pick_train_attention(choice: str, *, backend: str, compute_capability: str | None, dtype: Any,
+                         head_dim: int) -> str:
+  """What train_attention=choice runs: "auto" is "cudnn" where cuDNN's fused attention takes the shapes (a CUDA GPU
+  of compute capability 8.0 or later, bf16 or fp16, a head dim that is a multiple of 8 up to 128: the flash
+  kernel's limits as jax.nn.dot_product_attention checks them), "xla" elsewhere (the CPU, ROCm, float32)."""
+  if choice != "auto":
+    return choice
+  fits = (backend == "gpu" and compute_capability is not None and float(compute_capability) >= 8.0
+          and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+          and head_dim % 8 == 0 and head_dim <= 128)
+  return "cudnn" if fits else "xla"
 
 
 def _as_dict(hf: Any) -> dict[str, Any]:

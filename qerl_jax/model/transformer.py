@@ -96,7 +96,7 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, h_BxTxD, p, noise, n
     q, k = attn.apply_rope(q, cos, sin), attn.apply_rope(k, cos, sin)
   if kv is None:
     # No cache: slot t is query t, and attention_mask sees no later slot.
-    o = attn.attend(q, k, v, mask_BxTxS, config.attn_query_chunk, config.train_attention, causal=True)
+    o = attn.attend(q, k, v, mask_BxTxS, config.attn_query_chunk, config.train_attention_impl, causal=True)
   else:
     k_cache, v_cache = kv
     stacked = k_cache.ndim == 5  # [L, B, S, Hkv, Dh] and this layer's index, or this layer's [B, S, Hkv, Dh]

@@ -91,7 +91,7 @@ def runtime_choices(config) -> dict:
               gemv_lora_xa=bool(m.get("gemv_lora_xa", True)),
               rollout_lora_dtype=str(m.get("rollout_lora_dtype", "")),
               rollout_base_dtype=str(m.get("rollout_base_dtype", "")),
-              train_attention=str(m.get("train_attention", "xla")),
+              train_attention=str(m.get("train_attention", "auto")),
               rollout_merged_launches=parse_merged_launches(m.get("rollout_merged_launches", "auto")))
 
 

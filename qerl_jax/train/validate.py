@@ -58,8 +58,8 @@ def validate_config(config) -> None:
   _need(m.lora_alpha > 0, f"model.lora_alpha={m.lora_alpha} must be > 0")
   _need(m.get("decode_layers", "unrolled") in ("unrolled", "scan"),
         f"model.decode_layers={m.get('decode_layers')!r} must be 'unrolled' or 'scan'")
-  _need(m.get("train_attention", "xla") in TRAIN_ATTENTION,
-        f"model.train_attention={m.get('train_attention')!r} must be 'xla' or 'cudnn'")
+  _need(m.get("train_attention", "auto") in TRAIN_ATTENTION,
+        f"model.train_attention={m.get('train_attention')!r} must be one of {TRAIN_ATTENTION}")
   merged = parse_merged_launches(m.get("rollout_merged_launches", "auto"))
   _need(merged is None or set(merged) <= set(MERGEABLE_GROUPS),
         f"model.rollout_merged_launches={m.get('rollout_merged_launches')!r} must be 'auto', 'none' or "
