@@ -300,8 +300,9 @@ def test_auto_train_attention_picks_cudnn_only_where_its_fused_kernel_takes_the_
   config = tiny_config()
   assert config.train_attention == "auto" and config.dtype == jnp.float32
   assert config.train_attention_impl == "xla"
-  if jax.default_backend() == "cpu":
-    assert tiny_config(dtype="bfloat16").train_attention_impl == "xla"
+  capability = getattr(jax.devices()[0], "compute_capability", None)
+  on_cuda = jax.default_backend() == "gpu" and capability is not None and float(capability) >= 8.0
+  assert tiny_config(dtype="bfloat16").train_attention_impl == ("cudnn" if on_cuda else "xla")
 
 
 def test_train_attention_is_checked_and_cudnn_needs_a_gpu():
