@@ -291,8 +291,10 @@ def test_auto_train_attention_picks_cudnn_only_where_its_fused_kernel_takes_the_
   assert pick_train_attention("auto", **{**hopper, "dtype": jnp.float16, "head_dim": 64}) == "cudnn"
   assert pick_train_attention("auto", **{**hopper, "compute_capability": "8.0"}) == "cudnn"
   assert pick_train_attention("auto", **{**hopper, "compute_capability": "10.0"}) == "cudnn"
+  assert pick_train_attention("auto", **{**hopper, "head_dim": 256}) == "cudnn"  # Hopper's limit; Ampere's is 128
   for off in (dict(backend="cpu", compute_capability=None), dict(backend="gpu", compute_capability=None),  # ROCm
-              dict(compute_capability="7.5"), dict(dtype=jnp.float32), dict(head_dim=256), dict(head_dim=100)):
+              dict(compute_capability="gfx90a"), dict(compute_capability="7.5"), dict(dtype=jnp.float32),
+              dict(head_dim=100), dict(head_dim=264), dict(compute_capability="8.6", head_dim=256)):
     assert pick_train_attention("auto", **{**hopper, **off}) == "xla", off
   assert pick_train_attention("xla", **hopper) == "xla"
   assert pick_train_attention("cudnn", **{**hopper, "backend": "cpu"}) == "cudnn"  # named: attend refuses it
@@ -312,10 +314,10 @@ def test_train_attention_is_checked_and_cudnn_needs_a_gpu():
     tiny_config(train_attention="cudnn")  # the tiny config's float32
   config = tiny_config(train_attention="cudnn", dtype="bfloat16")
   model = random_model(config, 0)
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 8)))
-  positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 9)))  # odd: fused_attend pads
+  positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
   if jax.default_backend() == "gpu":  # cuDNN runs: the XLA attention's logits, to bf16 rounding
-    xla = Transformer(config.replace(train_attention="xla"), model.params(), lora=model.lora)
+    xla = random_model(config.replace(train_attention="xla"), 0)  # the same seed: the same base and adapters
     np.testing.assert_allclose(np.asarray(model(tokens, positions), np.float32),
                                np.asarray(xla(tokens, positions), np.float32), rtol=0.05, atol=0.05)
     return

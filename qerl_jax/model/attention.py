@@ -102,12 +102,19 @@ def fused_attend(q_BxTxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.A
   XLA lowering, which the CPU tests use to check this wrapper). [B, T, H * Dh] in q's dtype. causal (T == S
   and the mask sees no later slot): the causal mask type as well, so cuDNN skips the blocks past the diagonal."""
   b, t, h, dh = q_BxTxHxDh.shape
-  k, v = (x.astype(q_BxTxHxDh.dtype) for x in (k_BxSxKxDh, v_BxSxKxDh))
+  s = k_BxSxKxDh.shape[1]
+  q, k, v, mask = q_BxTxHxDh, k_BxSxKxDh.astype(q_BxTxHxDh.dtype), v_BxSxKxDh.astype(q_BxTxHxDh.dtype), mask_BxTxS
+  # cuDNN's backward with a bias takes even lengths only: an odd T or S gets one more query row (cut off below)
+  # or one more slot that no query sees. Both go at the end, so the causal type still holds.
+  pad_t, pad_s = t % 2, s % 2
+  if pad_t or pad_s:
+    q = jnp.pad(q, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
+    k, v = (jnp.pad(x, ((0, 0), (0, pad_s), (0, 0), (0, 0))) for x in (k, v))
+    mask = jnp.pad(mask, ((0, 0), (0, pad_t), (0, pad_s)))
   # A boolean mask becomes an additive bias of a large negative number: rows that see nothing (left padding)
   # stay finite, as in attend.
-  out = jax.nn.dot_product_attention(q_BxTxHxDh, k, v, mask=mask_BxTxS[:, None], is_causal=causal,
-                                     implementation=implementation)
-  return out.reshape(b, t, h * dh)
+  out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], is_causal=causal, implementation=implementation)
+  return out[:, :t].reshape(b, t, h * dh)
 
 
 def _attend_block(q_BxTxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array,

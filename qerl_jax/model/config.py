@@ -442,13 +442,18 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...]
 def pick_train_attention(choice: str, *, backend: str, compute_capability: str | None, dtype: Any,
                          head_dim: int) -> str:
   """What train_attention=choice runs: "auto" is "cudnn" where cuDNN's fused attention takes the shapes (a CUDA GPU
-  of compute capability 8.0 or later, bf16 or fp16, a head dim that is a multiple of 8 up to 128: the flash
-  kernel's limits as jax.nn.dot_product_attention checks them), "xla" elsewhere (the CPU, ROCm, float32)."""
+  of compute capability 8.0 or later, bf16 or fp16, a head dim that is a multiple of 8 up to 128, or 256 from
+  Hopper on: the flash kernel's limits as jax.nn.dot_product_attention checks them; odd lengths are padded by
+  attention.fused_attend), "xla" elsewhere (the CPU, ROCm, float32)."""
   if choice != "auto":
     return choice
-  fits = (backend == "gpu" and compute_capability is not None and float(compute_capability) >= 8.0
+  try:
+    major_minor = tuple(int(x) for x in str(compute_capability).split("."))
+  except ValueError:  # None (the CPU) or a ROCm target such as "gfx90a"
+    return "xla"
+  fits = (backend == "gpu" and major_minor >= (8, 0)
           and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-          and head_dim % 8 == 0 and head_dim <= 128)
+          and head_dim % 8 == 0 and head_dim <= (256 if major_minor >= (9, 0) else 128))
   return "cudnn" if fits else "xla"
 
 
