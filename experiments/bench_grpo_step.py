@@ -8,7 +8,7 @@
 Each (model, quant) runs in its own subprocess, so its peak device memory is its own. The step: 8 prompts x 8
 samples (64 rows), prompt 256 tokens, `--new-tokens` (1024) sampled at temperature 1 with stop tokens
 ignored (every row runs to the budget: the worst case); then one no-gradient log-prob pass over the batch
-(what the KL reference or an extra policy iteration costs); then one micro-batched AdamW update with remat,
+(what the KL reference or an extra policy iteration costs); then one micro-batched AdamW update with remat (`--no-remat`: without),
 LoRA rank 16 on all seven projections and trainable block norms. The step is run twice and the second is
 timed (the first compiles); `--steps 1` runs it once, for memory-only runs of the largest shapes, and then
 the times include compilation (the record says so: `includes_compile`). Before compiling, the memory
@@ -88,7 +88,7 @@ def run_one(args) -> dict:
   from qerl_jax.train.state import init_train_state
   from qerl_jax.train.step import UpdateSettings, jit_logprobs, jit_update
 
-  config = model_config(args.model).replace(remat=True, decode_attention=args.decode_attention,
+  config = model_config(args.model).replace(remat=args.remat, decode_attention=args.decode_attention,
                                             decode_layers=args.decode_layers, fused_lora=args.fused_lora,
                                             rollout_lora_dtype=args.rollout_lora_dtype,
                                             rollout_base_dtype=args.rollout_base_dtype,
@@ -100,7 +100,7 @@ def run_one(args) -> dict:
   mesh_shape = sharding.mesh_shape(mesh_spec, jax.device_count()) if mesh is not None else (1, 1, 1)
   on_gpu = jax.default_backend() == "gpu"
   plan = memory.plan(config, args.quant, rows, args.prompt_len, args.new_tokens, mesh_shape, args.lora_rank,
-                     args.micro_batch, True, logprob_chunk=args.logprob_chunk, vocab_chunk=args.vocab_chunk,
+                     args.micro_batch, args.remat, logprob_chunk=args.logprob_chunk, vocab_chunk=args.vocab_chunk,
                      fused_kernel=args.quant == "nvfp4" and on_gpu,
                      xla_min_rows=kernels.xla_min_rows() if on_gpu else None)
   print(plan.table(), file=sys.stderr, flush=True)
@@ -182,6 +182,7 @@ def run_one(args) -> dict:
     samples=args.samples, prompt_len=args.prompt_len, new_tokens=args.new_tokens, micro_batch=args.micro_batch,
     lora_rank=args.lora_rank, tokens_per_s=rows * args.new_tokens / timings["rollout_s"], xla_memory=xla_memory,
     device=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit(),
+    remat=args.remat,
     decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora,
     rollout_lora_dtype=args.rollout_lora_dtype, rollout_base_dtype=args.rollout_base_dtype,
     train_attention=args.train_attention, train_attention_impl=config.train_attention_impl,
@@ -217,6 +218,9 @@ def main():
   p.add_argument("--rollout-base-dtype", default="", choices=["", "bfloat16"],
                  help="NVFP4: the rollout dequantizes the base once into a bf16 copy "
                       "(ModelConfig.rollout_base_dtype; '' = the fused kernels)")
+  p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True,
+                 help="rematerialize each layer in the update's backward (ModelConfig.remat; the default). "
+                      "--no-remat saves the second forward where the activations fit (the planner says)")
   p.add_argument("--train-attention", default="auto", choices=TRAIN_ATTENTION,
                  help="the log-prob pass's and the update's attention (ModelConfig.train_attention)")
   p.add_argument("--merged-launches", default="auto", metavar="GROUPS",
@@ -244,6 +248,7 @@ def main():
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
       cmd += ["--memory-analysis"] if args.memory_analysis else []
       cmd += ["--fused-lora" if args.fused_lora else "--no-fused-lora"]
+      cmd += ["--remat" if args.remat else "--no-remat"]
       cmd += ["--rollout-lora-dtype", args.rollout_lora_dtype] if args.rollout_lora_dtype else []
       cmd += ["--rollout-base-dtype", args.rollout_base_dtype] if args.rollout_base_dtype else []
       cmd += ["--merged-launches", args.merged_launches]

@@ -171,15 +171,16 @@ def test_benches_refuse_the_subprocess_flags(script, flag, tmp_path):
 
 @pytest.mark.slow
 def test_bench_grpo_step_smoke_writes_the_phase_split(tmp_path):
-  # With the rollout's adapters cast to bf16 (ModelConfig.rollout_lora_dtype), which the record names.
-  records = _run("bench_grpo_step.py", tmp_path, "grpo", "--rollout-lora-dtype", "bfloat16")
+  # With the rollout's adapters cast to bf16 (ModelConfig.rollout_lora_dtype) and no remat, which the record names.
+  records = _run("bench_grpo_step.py", tmp_path, "grpo", "--rollout-lora-dtype", "bfloat16", "--no-remat")
   assert sorted(r["quant"] for r in records) == ["bf16", "nvfp4"]
   for r in records:
     for field in ("model", "quant", "devices", "step_s", "rollout_s", "logprob_s", "update_s", "peak_gb",
                   "commit", "device", "loss", "plan_gb"):
       assert field in r, field
     assert r["step_s"] >= r["rollout_s"] > 0 and r["commit"] == "test"
-    assert r["rollout_lora_dtype"] == "bfloat16" and r["fused_lora"] is True
+    assert r["rollout_lora_dtype"] == "bfloat16" and r["fused_lora"] is True and r["remat"] is False
+    assert r["train_attention"] == "auto" and r["train_attention_impl"] == "xla"  # the CPU's
     assert r["rollout_merged_launches"] == ("qkv,gate_up" if r["quant"] == "nvfp4" else "")  # the default
 
 
