@@ -15,7 +15,8 @@ Exact parts: weights (shapes from `jax.eval_shape` of the base, split per device
 stream saved per layer under remat, plus one layer's forward + backward working set: the attention scores
 [b, H, block, S] in float32 (query blocks of attention.attend; with ModelConfig.train_attention='cudnn' the
 mask as a bf16 bias [b, 1, S, S] and float32 softmax statistics instead), the MLP's float32 gate/up and their
-gradients, ~12 hidden-sized buffers) and the log-prob slices. XLA's buffer assignment reuses and fuses, so
+gradients, ~12 hidden-sized buffers; without remat, every layer's residuals as JAX saves them and, on the XLA
+path, every layer's dequantized weights) and the log-prob slices. XLA's buffer assignment reuses and fuses, so
 those are an upper-bound style estimate; tests/test_memory.py measures the gap against
 `compiled.memory_analysis()`.
 """
@@ -230,7 +231,8 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
   if remat:
     activations = cfg.num_layers * b * seq * d * it + working
   else:
-    activations = cfg.num_layers * one_layer + working
+    activations = cfg.num_layers * _residuals_per_layer(cfg, b, seq, heads, ffn, lora_rank * len(lora_targets),
+                                                        lora_it) + working
   activations += 2 * b * seq * d * 4  # final hidden states and their float32 gradient
   vc = min(vocab_chunk, cfg.vocab_size)
   chunk = min(logprob_chunk, n_cols)
@@ -249,11 +251,34 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
     notes.append("no fused kernel: one layer's weights are dequantized at a time" if not fused else
                  f"matmuls of {most_rows} rows >= xla_min_rows={xla_min_rows} dequantize one layer's weights "
                  "at a time")
+    if not remat and b * seq >= (xla_min_rows or 0):
+      # Without remat the backward reads each layer's dequantized weights, so the forward keeps them all.
+      dequant *= cfg.num_layers
+      notes.append("without remat every layer's dequantized weights are saved for the backward")
   else:
     dequant = 0
   return Plan(weights=weights, lora=lora, optimizer=optimizer, kv_cache=kv_cache, rollout_work=rollout_work,
               grads=grads, activations=activations, logprob_buffers=logprob_buffers, batch=batch_bytes,
               dequant=dequant, layer_copies=layer_copies, base_copy=base_copy, notes=tuple(notes))
+
+
+def _residuals_per_layer(cfg: ModelConfig, b: int, seq: int, heads: int, ffn: int, lora_cols: int,
+                         lora_it: int) -> int:
+  """Bytes one layer's forward saves for its backward without remat, as `jax.ad_checkpoint.saved_residuals`
+  lists them for the update's loss (7B shapes, bf16, at 3425a8c): six float32 [b, S, ffn] MLP values (gate, up,
+  their adapter sums, SiLU, the product), eight float32 [b, S, d] ones (norms, residual stream, adapter
+  sums), the attention's inputs and what it keeps (below), and the adapters' x @ A. A 7B update of 4-row
+  micro-batches without remat asked the H100 for 93.6 GiB where the per-layer working set alone had planned
+  48.6 GB."""
+  it = np.dtype(cfg.dtype).itemsize
+  qkv = b * seq * (cfg.q_size + 2 * cfg.kv_size) * it
+  if cfg.train_attention_impl == "cudnn":  # q, k, v, the output, softmax statistics, the mask as a bias
+    attention = qkv + b * seq * cfg.q_size * it + b * heads * seq * 4 + b * seq * seq * it
+  elif cfg.attn_query_chunk <= 0 or seq <= cfg.attn_query_chunk:  # one block: float32 scores and probabilities
+    attention = qkv + b * heads * seq * seq * (4 + it)
+  else:  # query blocks are rematerialized (attention.attend): their inputs and the mask
+    attention = qkv + b * seq * seq
+  return 6 * b * seq * ffn * 4 + 8 * b * seq * cfg.hidden_size * 4 + attention + b * seq * lora_cols * lora_it
 
 
 def device_capacity(device: Any = None) -> int | None:

@@ -1,9 +1,13 @@
 """The memory planner: exact byte counts for a tiny config by hand, the knob named when a plan does not fit,
 and the estimate against XLA's own buffer assignment (`compiled.memory_analysis()`) on CPU."""
 
+import contextlib
+import io
+import re
 import zlib
 
 import jax
+import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +17,7 @@ from qerl_jax import memory
 from qerl_jax.model import ModelConfig, Transformer, random_base, split_params
 from qerl_jax.model.linear import LoraConfig
 from qerl_jax.train.optim import OptimizerSettings
+from qerl_jax.train.policy import completion_logprobs, merge
 from qerl_jax.train.state import init_train_state
 from qerl_jax.train.step import UpdateSettings, jit_update
 
@@ -226,3 +231,52 @@ def test_batches_past_the_xla_crossover_plan_a_dequantized_layer():
   # with micro-batches of 1 (256 rows) only the prefill does.
   assert memory.plan(cfg, "nvfp4", **{**kw, "micro_batch": 1}, xla_min_rows=512).dequant == dense
   assert memory.plan(cfg, "nvfp4", **{**kw, "micro_batch": 1}, xla_min_rows=513).dequant == 0
+
+
+def _saved_bytes_per_layer(cfg, rows, prompt, new, rank):
+  """Bytes the update's loss saves for its backward per layer, from JAX's own list of residuals
+  (`print_saved_residuals`): the forward's outputs it keeps, counted at one and three layers."""
+  def saved(layers):
+    c = cfg.replace(num_layers=layers)
+    base = random_base(c, jax.random.key(0), "nvfp4")  # the XLA path: dequantize, then dot (as the update's)
+    model = Transformer(c, base, lora=LoraConfig(rank=rank), train_norms=True, rngs=nnx.Rngs(0))
+    graphdef, trainable, frozen = split_params(model)
+    tokens = (jnp.zeros((rows, prompt), jnp.int32), jnp.ones((rows, prompt), bool),
+              jnp.zeros((rows, new), jnp.int32))
+
+    def loss(params):
+      m = merge(graphdef, params, frozen)
+      return completion_logprobs(m, *tokens, chunk=64, vocab_chunk=128, temperature=1.0)[0].sum()
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      jax.ad_checkpoint.print_saved_residuals(loss, trainable.to_pure_dict())
+    total = 0
+    for line in out.getvalue().splitlines():
+      m = re.match(r"(\w+)\[([\d,]*)\] (.*)", line)
+      if m and "from the argument" not in m.group(3) and "from a constant" not in m.group(3):
+        total += int(np.prod([int(x) for x in m.group(2).split(",") if x])) * jnp.dtype(
+          {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "i32": "int32"}.get(m.group(1), m.group(1))).itemsize
+    return total
+  return (saved(3) - saved(1)) // 2
+
+
+@pytest.mark.parametrize("query_chunk", [128, 0])
+def test_no_remat_plans_the_residuals_jax_saves_per_layer(query_chunk):
+  # Without remat every layer keeps what its backward reads. The planner once counted one layer's working set
+  # (7B, 4-row micro-batches: 48.6 GB planned, 93.6 GiB asked of the H100). Its per-layer count, plus the
+  # dequantized weights the XLA path keeps, must match JAX's list of saved residuals within 20%: with the
+  # query blocks rematerialized (chunk 128 < 256 slots) and with one block of float32 scores (chunk 0).
+  cfg = ModelConfig(arch="qwen2", vocab_size=256, hidden_size=256, intermediate_size=768, num_layers=1,
+                    num_heads=4, num_kv_heads=2, head_dim=64, qkv_bias=True, dtype="bfloat16",
+                    attn_query_chunk=query_chunk, train_attention="xla")
+  rows, prompt, new, rank = 2, 64, 192, 8
+  measured = _saved_bytes_per_layer(cfg, rows, prompt, new, rank)
+  kw = dict(batch=rows, prompt_len=prompt, max_new_tokens=new, lora_rank=rank, micro_batch=rows,
+            logprob_chunk=64, vocab_chunk=128, fused_kernel=False)
+  per_layer = [memory.plan(cfg.replace(num_layers=n), "nvfp4", remat=False, **kw) for n in (1, 3)]
+  planned = ((per_layer[1].activations + per_layer[1].dequant) - (per_layer[0].activations + per_layer[0].dequant)) // 2
+  assert 0.8 <= planned / measured <= 1.2, (planned, measured)
+  # With remat the same layer keeps only its input: the plan's per-layer slope is the residual stream.
+  remat = [memory.plan(cfg.replace(num_layers=n), "nvfp4", remat=True, **kw) for n in (1, 3)]
+  assert (remat[1].activations - remat[0].activations) // 2 == rows * (prompt + new) * 256 * 2
