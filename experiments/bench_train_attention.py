@@ -53,7 +53,8 @@ def implementations(query_chunk: int):
   def fused(impl, causal):
     return lambda q, k, v, mask: attn.fused_attend(q, k, v, mask, impl, causal)
 
-  # "cudnn-causal" is what the model runs (ModelConfig.train_attention="cudnn"): the mask and the causal type.
+  # "cudnn-causal" is what the model runs (ModelConfig.train_attention "cudnn", or "auto" on a GPU): the mask and the
+  # causal type.
   return {"model": model, "jax-xla": fused("xla", False), "cudnn": fused("cudnn", False),
           "cudnn-causal": fused("cudnn", True)}
 
