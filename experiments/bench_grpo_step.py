@@ -6,15 +6,15 @@
     python experiments/bench_grpo_step.py --smoke                                               # CPU, < 60 s
 
 Each (model, quant) runs in its own subprocess, so its peak device memory is its own. The step: 8 prompts x 8
-samples (64 rows), prompt 256 tokens, `--new-tokens` (1024) sampled at temperature 1 with stop tokens
-ignored (every row runs to the budget: the worst case); then one no-gradient log-prob pass over the batch
-(what the KL reference or an extra policy iteration costs); then one micro-batched AdamW update with remat (`--no-remat`: without),
-LoRA rank 16 on all seven projections and trainable block norms. The step is run twice and the second is
-timed (the first compiles); `--steps 1` runs it once, for memory-only runs of the largest shapes, and then
-the times include compilation (the record says so: `includes_compile`). Before compiling, the memory
-planner's estimate is printed and recorded beside the measured peak (`device.memory_stats()`, maximum over
-the local devices); `--memory-analysis` adds XLA's own byte counts of each phase's program (arguments,
-outputs, temporaries), to check the planner phase by phase. One JSON line per run is appended to
+samples (64 rows), prompt 256 tokens, `--new-tokens` (1024) sampled at temperature 1 with stop tokens ignored
+(every row runs to the budget: the worst case); then one no-gradient log-prob pass over the batch (what the KL
+reference or an extra policy iteration costs); then one micro-batched AdamW update with remat (`--no-remat`:
+without), LoRA rank 16 on all seven projections and trainable block norms. The step is run twice and the
+second is timed (the first compiles); `--steps 1` runs it once, for memory-only runs of the largest shapes,
+and then the times include compilation (the record says so: `includes_compile`). Before compiling, the memory
+planner's estimate is printed and recorded beside the measured peak (`device.memory_stats()`, maximum over the
+local devices); `--memory-analysis` adds XLA's own byte counts of each phase's program (arguments, outputs,
+temporaries), to check the planner phase by phase. One JSON line per run is appended to
 experiments/results/grpo_step.jsonl.
 """
 

@@ -251,8 +251,9 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
     notes.append("no fused kernel: one layer's weights are dequantized at a time" if not fused else
                  f"matmuls of {most_rows} rows >= xla_min_rows={xla_min_rows} dequantize one layer's weights "
                  "at a time")
-    if not remat and b * seq >= (xla_min_rows or 0):
-      # Without remat the backward reads each layer's dequantized weights, so the forward keeps them all.
+    if not remat and (not fused or b * seq >= xla_min_rows):
+      # The update's matmuls dequantize (not only a prefill's), and without remat the backward reads each layer's
+      # dequantized weights, so the forward keeps them all.
       dequant *= cfg.num_layers
       notes.append("without remat every layer's dequantized weights are saved for the backward")
   else:
