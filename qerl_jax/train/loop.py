@@ -223,6 +223,8 @@ def check_memory(config, model_config) -> memory.Plan:
   shape = sharding.mesh_shape(spec, jax.device_count()) if any(int(v) != 1 for v in spec.values()) else None
   plan = memory.plan_from_config(config, model_config, shape)
   logging.info("%s", plan.table())
+  logging.info("log-prob and update attention: %s (model.train_attention=%r)", model_config.train_attention_impl,
+               model_config.train_attention)
   memory.check_fits(plan, memory.device_capacity())
   return plan
 
