@@ -266,11 +266,11 @@ def plan(model_config: ModelConfig, quant: str, batch: int, prompt_len: int, max
 def _residuals_per_layer(cfg: ModelConfig, b: int, seq: int, heads: int, ffn: int, lora_cols: int,
                          lora_it: int) -> int:
   """Bytes one layer's forward saves for its backward without remat, as `jax.ad_checkpoint.saved_residuals`
-  lists them for the update's loss (7B shapes, bf16, at 3425a8c): six float32 [b, S, ffn] MLP values (gate, up,
-  their adapter sums, SiLU, the product), eight float32 [b, S, d] ones (norms, residual stream, adapter
-  sums), the attention's inputs and what it keeps (below), and the adapters' x @ A. A 7B update of 4-row
-  micro-batches without remat asked the H100 for 93.6 GiB where the per-layer working set alone had planned
-  48.6 GB."""
+  lists them for the update's loss (7B shapes, bf16, one row; listed at 49158f2): six float32 [b, S, ffn] MLP
+  values (gate, up, their adapter sums, SiLU, the product), eight float32 [b, S, d] ones (norms, residual
+  stream, adapter sums), the attention's inputs and what it keeps (below), and the adapters' x @ A. A 7B
+  update of 4-row micro-batches without remat asked the H100 for 93.6 GiB where the per-layer working set
+  alone had planned 48.6 GB."""
   it = np.dtype(cfg.dtype).itemsize
   qkv = b * seq * (cfg.q_size + 2 * cfg.kv_size) * it
   if cfg.train_attention_impl == "cudnn":  # q, k, v, the output, softmax statistics, the mask as a bias

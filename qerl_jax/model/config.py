@@ -27,6 +27,7 @@ SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MERGEABLE_GROUPS = ("qkv", "gate_up")  # transformer.SHARED_INPUT: projections of one input
 TRAIN_ATTENTION = ("auto", "xla", "cudnn")  # ModelConfig.train_attention
+_CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # what cuDNN's fused attention takes
 # Model types that are the Llama graph under another name.
 _ARCH_ALIASES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -163,7 +164,7 @@ class ModelConfig:
                        "(e.g. 'nothing_saveable', 'dots_saveable')")
     if self.train_attention not in TRAIN_ATTENTION:
       raise ValueError(f"train_attention={self.train_attention!r} must be one of {TRAIN_ATTENTION}")
-    if self.train_attention == "cudnn" and self.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    if self.train_attention == "cudnn" and self.dtype not in _CUDNN_DTYPES:
       raise ValueError(f"train_attention='cudnn' needs dtype bfloat16 or float16 (cuDNN's fused attention), not "
                        f"{self.dtype}: use train_attention='xla'")
     if self.decode_attention not in ("xla", "pallas", "auto"):
@@ -452,7 +453,7 @@ def pick_train_attention(choice: str, *, backend: str, compute_capability: str |
   except ValueError:  # None (the CPU) or a ROCm target such as "gfx90a"
     return "xla"
   fits = (backend == "gpu" and major_minor >= (8, 0)
-          and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+          and jnp.dtype(dtype) in _CUDNN_DTYPES
           and head_dim % 8 == 0 and head_dim <= (256 if major_minor >= (9, 0) else 128))
   return "cudnn" if fits else "xla"
 
