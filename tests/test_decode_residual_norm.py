@@ -61,6 +61,13 @@ def _ulps_apart(got, want):
   return np.abs(got - want) / ulp
 
 
+def _rare(mask, rate):
+  """Whether at most `rate` of the elements are set, allowing one in any case: below 1 / size a rate would demand
+  none, and one float32 sum landing on a bf16 tie where float64's does not is a legitimate rounding (swiglu's
+  case 3, 480 elements, seed 968749009: one element at 42.5 ulps, inside its bound of 134)."""
+  return mask.sum() <= max(1, int(rate * mask.size))
+
+
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_residual_norm_matches_the_unfused_steps(case):
   seed = fresh_seed()
@@ -80,7 +87,7 @@ def test_residual_norm_matches_the_unfused_steps(case):
   # land on either side of an earlier bf16 rounding (then one ulp of that intermediate, a few of the output's).
   for got, want in ((x_new, np_x), (h, np_h)):
     apart64 = _ulps_apart(got, want)
-    assert (apart64 <= 8).all() and (apart64 > 1.01).mean() < 1e-3, f"{seed=}: {apart64.max()}"
+    assert (apart64 <= 8).all() and _rare(apart64 > 1.01, 1e-3), f"{seed=}: {apart64.max()}"
 
 
 def test_residual_norm_leaves_out_no_term():
