@@ -220,7 +220,8 @@ def main():
                       "(ModelConfig.rollout_base_dtype; '' = the fused kernels)")
   p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True,
                  help="rematerialize each layer in the update's backward (ModelConfig.remat; the default). "
-                      "--no-remat saves the second forward where the activations fit (the planner says)")
+                      "--no-remat drops the second forward where the activations fit (the planner says); measured "
+                      "no faster at 7B (RESULTS.md, 38be05a)")
   p.add_argument("--train-attention", default="auto", choices=TRAIN_ATTENTION,
                  help="the log-prob pass's and the update's attention (ModelConfig.train_attention)")
   p.add_argument("--merged-launches", default="auto", metavar="GROUPS",
