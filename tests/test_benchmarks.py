@@ -602,6 +602,25 @@ def test_triton_gemv_probe_matches_numpy_and_pipelines_only_when_asked():
       assert r["cp_async"] > 0 and r["ld_global"] == 0 and r["shared"] > 2048, r
 
 
+@pytest.mark.slow  # needs Triton (pip install -e ".[sass]"); ~20 s: the interpreter, then six sm_90 compiles
+def test_triton_ws_probe_matches_numpy_and_splits_only_when_asked():
+  # The probe's tile in Triton's CPU interpreter against the project's dequantization in float64 (1, 8 and 64 rows,
+  # outputs poisoned), then what sm_90 gets: TMA loads and the decoded weight as wgmma's register operand in every
+  # variant, producer / consumer partitions only where the loop asks (the claim qerl_kernels/NOTES.md rests on).
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "triton_ws_probe.py"), "--check-only",
+                         "--shapes", "tiny", "--rows", "1", "8", "64"], cwd=ROOT,
+                        env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  errs = [float(line.split("largest error ")[1].split()[0]) for line in proc.stdout.splitlines() if "largest" in line]
+  assert len(errs) == 3 and all(0 < e <= 1.0 for e in errs), proc.stdout
+  sys.path.insert(0, os.path.join(ROOT, "experiments"))
+  import triton_ws_probe as probe
+  rows = probe.sass_report("7b.gate", 64)
+  assert len(rows) == 6 and not any("failed" in r for r in rows), rows
+  for r in rows:
+    assert r["partitions"] == r["ws"] and r["wgmma_register_a"] and r["tma_loads"] > 0, r
+
+
 @pytest.mark.slow  # ~7 s: CI is near its 10-minute limit (567 s at the last landing); `pytest -m slow`
 def test_bench_train_attention_checks_each_implementation_before_timing_it():
   # bf16 inputs against attend in float32 on the rows that see something: ~1e-3 of the largest value. cuDNN has no

@@ -1,0 +1,263 @@
+"""Probe: does a warp-specialized NVFP4 tile beat the bf16 dot at 8-128 rows on Hopper?
+
+    python experiments/triton_ws_probe.py --out $OUT/triton_ws_probe.json          # on the GPU (torch + triton)
+    python experiments/triton_ws_probe.py --sass                                    # CPU: what sm_90 gets
+    TRITON_INTERPRET=1 python experiments/triton_ws_probe.py --check-only --shapes tiny   # CPU: correctness
+
+Why: at 64 rows the project's tile kernel (Pallas Triton) runs ~0.84x the bf16 dot (qerl_kernels/NOTES.md), and
+that is what keeps the batch-64 rollout at 0.93x bf16 on an H200 (RESULTS.md, 38be05a). One program is one
+warpgroup that loads, decodes and waits on its wgmma in turn. Triton 3.6 can split such a loop into a producer
+warp that issues TMA copies and consumer warps that decode and multiply (``tl.range(..., warp_specialize=True)``),
+but Pallas cannot ask for it, and Triton does it only for loops whose loads are tensor descriptors (TMA): with
+plain loads its pass manager fails (checked with ``--sass``). This script writes the swapped tile directly in
+Triton (y^T = dequant(W) @ x^T: the decoded weight is wgmma's register operand, the rows are its N), with and
+without warp specialization, and times it beside torch's bf16 matmul on the same shape. It decides whether a
+jax-triton kernel is worth building (jax-triton 0.3.1 passes no global scratch, which device-side descriptors
+need); it is not one.
+
+The kernel: y[m, n] = sum_k x[m, k] * dequant(W)[n, k] for M <= BLOCK_M rows of x (bf16) and W as NVFP4 (codes
+[N, K/2] uint8, two per byte, low nibble first; e4m3 scales [N, K/16]; global scale 1). The codes decode to bf16
+bits exactly (E2M1 from its sign, exponent and mantissa fields; 0 and 0.5 by a select), times the block scale
+in bf16 (exact: 2 x 4 significant bits), one tl.dot per step accumulating float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+
+# The reference dequantizes with the project's JAX code; torch needs the GPU's memory, so JAX takes what it uses.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+SHAPES = {  # name: (K, N) of the weight as y = x @ W^T reads it
+  "7b.gate": (3584, 18944),
+  "7b.gate_up": (3584, 37888),
+  "7b.down": (18944, 3584),
+  "7b.qkv": (3584, 4608),
+  "7b.o": (3584, 3584),
+  "tiny": (512, 128),  # CPU check: two K steps of 256, two column blocks of 64
+}
+
+try:  # the `sass` extra (pip install -e ".[sass]") or the GPU machine's image
+  import triton
+  import triton.language as tl
+except ImportError:  # the CLI says what to install
+  triton = None
+else:
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _require_triton() -> None:
+  if triton is None:
+    raise SystemExit("triton_ws_probe needs Triton: pip install -e \".[sass]\" (or run it on the GPU machine)")
+
+
+if triton is not None:
+  @triton.jit
+  def decode_tile(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """[BLOCK_N, BLOCK_K // 2] packed codes and [BLOCK_N, BLOCK_K // 16] e4m3 bytes -> [BLOCK_N, BLOCK_K] bf16."""
+    codes = tl.interleave(packed & 0xF, packed >> 4).to(tl.uint16)  # element 2j is byte j's low nibble
+    em = codes & 7  # exponent and mantissa fields
+    # bf16 bits: a normal E2M1 value 2**(e-1) (1 + m/2) is bf16 exponent e + 126 over the same mantissa bit; the
+    # two subnormal codes (0, 0.5) are 0 and 0x3F00.
+    bits = tl.where(em < 2, em * 0x3F00, (em << 6) + (126 << 7)) | ((codes & 8) << 12)
+    w = bits.to(tl.bfloat16, bitcast=True)
+    s = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if INTERPRET:  # the CPU interpreter's bf16 products are wrong (checked at 3.6.0): the same in float32
+      w = (tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 16, 16)) * s[:, :, None]).to(tl.bfloat16)
+    else:
+      w = tl.reshape(w, (BLOCK_N, BLOCK_K // 16, 16)) * s.to(tl.bfloat16)[:, :, None]
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+  @triton.jit
+  def tile_kernel(x_ptr, packed_ptr, scale_ptr, y_ptr, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, WS: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    n0 = tl.program_id(0) * BLOCK_N
+    # Device-side descriptors (TMA): the only loads Triton warp-specializes. Rows past M read zeros.
+    w_desc = tl.make_tensor_descriptor(packed_ptr, [N, K // 2], [K // 2, 1], [BLOCK_N, BLOCK_K // 2])
+    s_desc = tl.make_tensor_descriptor(scale_ptr, [N, K // 16], [K // 16, 1], [BLOCK_N, BLOCK_K // 16])
+    x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES, warp_specialize=WS):
+      w = decode_tile(w_desc.load([n0, k // 2]), s_desc.load([n0, k // 16]), BLOCK_N, BLOCK_K, INTERPRET)
+      x_t = tl.trans(x_desc.load([0, k]))
+      if INTERPRET:  # its bf16 dot is wrong too (float16 and float32 right; checked at 3.6.0)
+        acc = tl.dot(w.to(tl.float32), x_t.to(tl.float32), acc)
+      else:
+        acc = tl.dot(w, x_t, acc)
+    rows, cols = tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N)
+    tl.store(y_ptr + rows[None, :] * N + cols[:, None], acc.to(tl.bfloat16), mask=rows[None, :] < M)
+
+
+# Blocks: K steps of 256 keep the scale descriptor's rows at TMA's 16-byte minimum. Warp specialization compiled
+# for sm_90 at 64 columns and 4 warps; 128 columns failed (4 warps) or fell back to one partition (8 warps).
+VARIANTS = [dict(block_n=64, block_k=256, stages=s, num_warps=4, ws=ws) for ws in (False, True) for s in (2, 3, 4)]
+
+
+def make_case(rows: int, k: int, n: int, device, seed: int = 0):
+  """Random NVFP4 codes and scales (every code; e4m3 scales in [2**-4, 2**4)), bf16 rows, and the float64 reference
+  from the project's own dequantization of the same bytes."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import torch  # pylint: disable=import-outside-toplevel
+  from qerl_jax.quant import dequantize_NxK  # pylint: disable=import-outside-toplevel
+  from qerl_jax.quant.types import NVFP4Tensor  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(seed)
+  packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+  scale_bits = (rng.integers(3, 11, (n, k // 16)) << 3 | rng.integers(0, 8, (n, k // 16))).astype(np.uint8)
+  x = torch.randn(rows, k, dtype=torch.float32).to(torch.bfloat16)
+  q = NVFP4Tensor(jnp.asarray(packed), jnp.asarray(scale_bits).view(jnp.float8_e4m3fn), jnp.ones((1,), jnp.float32))
+  w = np.asarray(dequantize_NxK(q, jnp.float32), np.float64)
+  t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+  return dict(x=x.to(device), packed=t(packed), scale=t(scale_bits), w=w, y_ref=x.double().numpy() @ w.T)
+
+
+def _scratch_allocator(device):
+  import torch  # pylint: disable=import-outside-toplevel
+  triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
+
+
+def launch(case, out, *, block_n: int, block_k: int, stages: int, num_warps: int, ws: bool):
+  rows, k = case["x"].shape
+  n = case["packed"].shape[0]
+  block_m = max(16, triton.next_power_of_2(rows))
+  tile_kernel[(triton.cdiv(n, block_n),)](case["x"], case["packed"], case["scale"], out, rows, n, K=k, BLOCK_M=block_m,
+                                          BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, WS=ws, num_warps=num_warps,
+                                          INTERPRET=os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def check(case, variant) -> float:
+  """Largest error in bf16 ulps of each reference output (one ulp: 2**-7 of it, plus 1e-5 of the largest for the
+  float32 sums' error where outputs cancel to near zero). Rounding to nearest stays within half an ulp; the CPU
+  interpreter's float32 -> bf16 conversion truncates (checked at 3.6.0), which stays within one."""
+  import torch  # pylint: disable=import-outside-toplevel
+  out = torch.full((case["x"].shape[0], case["packed"].shape[0]), float("nan"), dtype=torch.bfloat16,
+                   device=case["x"].device)
+  launch(case, out, **variant)
+  y, ref = out.double().cpu().numpy(), case["y_ref"]
+  if not np.isfinite(y).all():  # the output was poisoned with NaN: a tile left unwritten fails here
+    return float("inf")
+  return float((np.abs(y - ref) / (np.abs(ref) * 2.0 ** -7 + 1e-5 * np.abs(ref).max())).max())
+
+
+def sass_report(shape: str, rows: int) -> list[dict]:
+  """Compile each variant for sm_90 without a GPU: whether the loop was split into partitions, registers, shared
+  memory and the SASS's opcode counts (the whole kernel; the loop is not isolated)."""
+  from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
+  k, n = SHAPES[shape]
+  out = []
+  for v in VARIANTS:
+    sig = {"x_ptr": "*bf16", "packed_ptr": "*u8", "scale_ptr": "*u8", "y_ptr": "*bf16", "M": "i32", "N": "i32"}
+    consts = dict(K=k, BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=v["block_n"], BLOCK_K=v["block_k"],
+                  STAGES=v["stages"], WS=v["ws"], INTERPRET=False)
+    src = triton.compiler.ASTSource(fn=tile_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
+                                    constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in range(4)})
+    row = dict(v, shape=shape, rows=rows)
+    try:
+      compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=v["num_warps"], num_stages=v["stages"]))
+    except Exception as e:  # pylint: disable=broad-except  # Triton's pass failures: report, go on
+      row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+      print(f"{shape} rows {rows} {v}: FAILED {row['failed']}")
+      out.append(row)
+      continue
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    cubin = f"/tmp/triton_ws_probe_{os.getpid()}.cubin"
+    with open(cubin, "wb") as f:
+      f.write(compiled.asm["cubin"])
+    sass = subprocess.run([tool, "-sass", cubin], check=True, capture_output=True, text=True).stdout
+    usage = subprocess.run([tool, "-res-usage", cubin], check=True, capture_output=True, text=True).stdout
+    os.remove(cubin)
+    ops = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass, re.M))
+    ptx = compiled.asm["ptx"]
+    row.update(partitions="ttg.warp_specialize" in compiled.asm["ttgir"], shared=compiled.metadata.shared,
+               registers=int(re.search(r"REG:(\d+)", usage).group(1)),
+               wgmma_register_a=bool(re.search(r"wgmma\.mma_async[^;]*\}, \{%r", ptx)),
+               tma_loads=ptx.count("cp.async.bulk.tensor"), opcodes=dict(ops.most_common(12)))
+    print(f"{shape} rows {rows} ws={v['ws']} stages {v['stages']}: partitions {row['partitions']}, "
+          f"{row['registers']} registers, {row['shared']} B shared, TMA loads {row['tma_loads']}, "
+          f"wgmma A in registers {row['wgmma_register_a']}")
+    out.append(row)
+  return out
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--shapes", nargs="+", default=["7b.gate", "7b.gate_up", "7b.down", "7b.qkv", "7b.o"],
+                 choices=sorted(SHAPES))
+  p.add_argument("--rows", nargs="+", type=int, default=[8, 16, 64, 128])
+  p.add_argument("--sass", action="store_true", help="compile for sm_90 here and report each variant")
+  p.add_argument("--check-only", action="store_true")
+  p.add_argument("--out", default=None)
+  args = p.parse_args(argv)
+  _require_triton()
+  if args.sass:
+    rows = [r for s in args.shapes for m in args.rows for r in sass_report(s, m)]
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0
+  import torch  # pylint: disable=import-outside-toplevel
+  from triton_gemv_probe import time_us  # pylint: disable=import-outside-toplevel  # CUDA-graph replays, medians
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  _scratch_allocator(device)
+  records = []
+  for shape in args.shapes:
+    k, n = SHAPES[shape]
+    for rows in args.rows:
+      case = make_case(rows, k, n, device)
+      variants, errors = [], []
+      for v in VARIANTS:
+        try:
+          errors.append(check(case, v))
+        except triton.runtime.errors.OutOfResources as e:  # shared memory past the SM's at many rows and stages
+          print(f"{shape} rows {rows} {v}: not run ({e})")
+          continue
+        variants.append(v)
+      worst = max(errors)
+      print(f"{shape} rows {rows}: largest error {worst:.3f} bf16 ulps over {len(variants)} variants")
+      if worst > 1.0:
+        print("FAILED: the tile does not match its reference", file=sys.stderr)
+        return 1
+      if args.check_only or device != "cuda":
+        continue
+      # Rotate weight copies past the 50-60 MB L2, so that each call streams its weight from HBM.
+      copies = max(2, -(-256 * 2 ** 20 // (n * k * 9 // 16)))
+      rot = [dict(case, packed=case["packed"].clone(), scale=case["scale"].clone()) for _ in range(copies)]
+      calls = max(copies, 16)
+      w_bf16 = [torch.randn(n, k, dtype=torch.bfloat16, device=device) for _ in range(max(2, copies // 4))]
+      xb = case["x"]
+      bf16_us = time_us([lambda w=w_bf16[j % len(w_bf16)]: torch.matmul(xb, w.T) for j in range(calls)])
+      for v in variants:
+        out = torch.empty((rows, n), dtype=torch.bfloat16, device=device)
+        us = time_us([lambda c=rot[j % copies], v=v, out=out: launch(c, out, **v) for j in range(calls)])
+        records.append(dict(v, shape=shape, rows=rows, k=k, n=n, us=us, bf16_us=bf16_us, speedup=bf16_us / us,
+                            device=torch.cuda.get_device_name(), triton=triton.__version__,
+                            commit=os.environ.get("QERL_COMMIT", "")))
+        print(f"{shape} rows {rows} ws={v['ws']} stages {v['stages']}: {us:.1f} us, bf16 {bf16_us:.1f}, "
+              f"{bf16_us / us:.2f}x")
+  if records:
+    print("\nshape        rows  best      us  bf16 us  speedup   (best WS / best plain)")
+    for shape in args.shapes:
+      for rows in args.rows:
+        rs = [r for r in records if r["shape"] == shape and r["rows"] == rows]
+        best = min(rs, key=lambda r: r["us"])
+        ws_best = min((r["us"] for r in rs if r["ws"]), default=float("nan"))
+        plain_best = min((r["us"] for r in rs if not r["ws"]), default=float("nan"))
+        print(f"{shape:12s} {rows:4d}  {'ws' if best['ws'] else 'plain':5s} {best['us']:7.1f} {best['bf16_us']:8.1f} "
+              f"{best['speedup']:7.2f}x  {plain_best / ws_best:.2f}")
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(records, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
