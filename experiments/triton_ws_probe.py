@@ -79,15 +79,22 @@ if triton is not None:
   @triton.jit
   def tile_kernel(x_ptr, packed_ptr, scale_ptr, y_ptr, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, WS: tl.constexpr,
-                  INTERPRET: tl.constexpr):
+                  SCALES_KN: tl.constexpr, INTERPRET: tl.constexpr):
     n0 = tl.program_id(0) * BLOCK_N
     # Device-side descriptors (TMA): the only loads Triton warp-specializes. Rows past M read zeros.
     w_desc = tl.make_tensor_descriptor(packed_ptr, [N, K // 2], [K // 2, 1], [BLOCK_N, BLOCK_K // 2])
-    s_desc = tl.make_tensor_descriptor(scale_ptr, [N, K // 16], [K // 16, 1], [BLOCK_N, BLOCK_K // 16])
+    if SCALES_KN:  # a [K/16, N] copy of the scales: rows of BLOCK_N bytes, so K steps below 256 are legal for TMA
+      s_desc = tl.make_tensor_descriptor(scale_ptr, [K // 16, N], [N, 1], [BLOCK_K // 16, BLOCK_N])
+    else:
+      s_desc = tl.make_tensor_descriptor(scale_ptr, [N, K // 16], [K // 16, 1], [BLOCK_N, BLOCK_K // 16])
     x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for k in tl.range(0, K, BLOCK_K, num_stages=STAGES, warp_specialize=WS):
-      w = decode_tile(w_desc.load([n0, k // 2]), s_desc.load([n0, k // 16]), BLOCK_N, BLOCK_K, INTERPRET)
+      if SCALES_KN:
+        scale = tl.trans(s_desc.load([k // 16, n0]))
+      else:
+        scale = s_desc.load([n0, k // 16])
+      w = decode_tile(w_desc.load([n0, k // 2]), scale, BLOCK_N, BLOCK_K, INTERPRET)
       x_t = tl.trans(x_desc.load([0, k]))
       if INTERPRET:  # its bf16 dot is wrong too (float16 and float32 right; checked at 3.6.0)
         acc = tl.dot(w.to(tl.float32), x_t.to(tl.float32), acc)
@@ -97,9 +104,17 @@ if triton is not None:
     tl.store(y_ptr + rows[None, :] * N + cols[:, None], acc.to(tl.bfloat16), mask=rows[None, :] < M)
 
 
-# Blocks: K steps of 256 keep the scale descriptor's rows at TMA's 16-byte minimum. Warp specialization compiled
-# for sm_90 at 64 columns and 4 warps; 128 columns failed (4 warps) or fell back to one partition (8 warps).
-VARIANTS = [dict(block_n=64, block_k=256, stages=s, num_warps=4, ws=ws) for ws in (False, True) for s in (2, 3, 4)]
+# Blocks: with the scales as stored ([N, K/16]) K steps of 256 keep the descriptor's rows at TMA's 16-byte minimum;
+# a [K/16, N] copy ("kn") allows 64 and 128, with a smaller x tile per stage. Warp specialization compiled for sm_90
+# at 64 columns and 4 warps; 128 columns failed (4 warps) or fell back to one partition (8 warps).
+VARIANTS = ([dict(block_n=64, block_k=256, stages=s, num_warps=4, ws=ws, scales="nk") for ws in (False, True)
+             for s in (2, 3, 4)]
+            + [dict(block_n=64, block_k=bk, stages=s, num_warps=4, ws=True, scales="kn") for bk in (64, 128)
+               for s in (3, 4)])
+
+
+def _name(v) -> str:
+  return f"ws={v['ws']} bk {v['block_k']} {v['scales']} stages {v['stages']}"
 
 
 def make_case(rows: int, k: int, n: int, device, seed: int = 0):
@@ -116,7 +131,8 @@ def make_case(rows: int, k: int, n: int, device, seed: int = 0):
   q = NVFP4Tensor(jnp.asarray(packed), jnp.asarray(scale_bits).view(jnp.float8_e4m3fn), jnp.ones((1,), jnp.float32))
   w = np.asarray(dequantize_NxK(q, jnp.float32), np.float64)
   t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-  return dict(x=x.to(device), packed=t(packed), scale=t(scale_bits), w=w, y_ref=x.double().numpy() @ w.T)
+  return dict(x=x.to(device), packed=t(packed), scale=t(scale_bits), scale_kn=t(scale_bits.T), w=w,
+              y_ref=x.double().numpy() @ w.T)
 
 
 def _scratch_allocator(device):
@@ -124,12 +140,14 @@ def _scratch_allocator(device):
   triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
 
 
-def launch(case, out, *, block_n: int, block_k: int, stages: int, num_warps: int, ws: bool):
+def launch(case, out, *, block_n: int, block_k: int, stages: int, num_warps: int, ws: bool, scales: str):
   rows, k = case["x"].shape
   n = case["packed"].shape[0]
   block_m = max(16, triton.next_power_of_2(rows))
-  tile_kernel[(triton.cdiv(n, block_n),)](case["x"], case["packed"], case["scale"], out, rows, n, K=k, BLOCK_M=block_m,
-                                          BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, WS=ws, num_warps=num_warps,
+  scale = case["scale"] if scales == "nk" else case["scale_kn"]
+  tile_kernel[(triton.cdiv(n, block_n),)](case["x"], case["packed"], scale, out, rows, n, K=k, BLOCK_M=block_m,
+                                          BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, WS=ws,
+                                          SCALES_KN=scales == "kn", num_warps=num_warps,
                                           INTERPRET=os.environ.get("TRITON_INTERPRET") == "1")
 
 
@@ -156,7 +174,7 @@ def sass_report(shape: str, rows: int) -> list[dict]:
   for v in VARIANTS:
     sig = {"x_ptr": "*bf16", "packed_ptr": "*u8", "scale_ptr": "*u8", "y_ptr": "*bf16", "M": "i32", "N": "i32"}
     consts = dict(K=k, BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=v["block_n"], BLOCK_K=v["block_k"],
-                  STAGES=v["stages"], WS=v["ws"], INTERPRET=False)
+                  STAGES=v["stages"], WS=v["ws"], SCALES_KN=v["scales"] == "kn", INTERPRET=False)
     src = triton.compiler.ASTSource(fn=tile_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
                                     constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in range(4)})
     row = dict(v, shape=shape, rows=rows)
@@ -181,8 +199,8 @@ def sass_report(shape: str, rows: int) -> list[dict]:
                registers=int(re.search(r"REG:(\d+)", usage).group(1)),
                wgmma_register_a=bool(re.search(r"wgmma\.mma_async[^;]*\}, \{%r", ptx)),
                tma_loads=ptx.count("cp.async.bulk.tensor"), opcodes=dict(ops.most_common(12)))
-    print(f"{shape} rows {rows} ws={v['ws']} stages {v['stages']}: partitions {row['partitions']}, "
-          f"{row['registers']} registers, {row['shared']} B shared, TMA loads {row['tma_loads']}, "
+    print(f"{shape} rows {rows} {_name(v)}: partitions {row['partitions']}, {row['registers']} registers, "
+          f"{row['shared']} B shared, TMA loads {row['tma_loads']}, "
           f"wgmma A in registers {row['wgmma_register_a']}")
     out.append(row)
   return out
@@ -230,7 +248,8 @@ def main(argv=None) -> int:
         continue
       # Rotate weight copies past the 50-60 MB L2, so that each call streams its weight from HBM.
       copies = max(2, -(-256 * 2 ** 20 // (n * k * 9 // 16)))
-      rot = [dict(case, packed=case["packed"].clone(), scale=case["scale"].clone()) for _ in range(copies)]
+      rot = [dict(case, packed=case["packed"].clone(), scale=case["scale"].clone(), scale_kn=case["scale_kn"].clone())
+             for _ in range(copies)]
       calls = max(copies, 16)
       w_bf16 = [torch.randn(n, k, dtype=torch.bfloat16, device=device) for _ in range(max(2, copies // 4))]
       xb = case["x"]
@@ -241,8 +260,7 @@ def main(argv=None) -> int:
         records.append(dict(v, shape=shape, rows=rows, k=k, n=n, us=us, bf16_us=bf16_us, speedup=bf16_us / us,
                             device=torch.cuda.get_device_name(), triton=triton.__version__,
                             commit=os.environ.get("QERL_COMMIT", "")))
-        print(f"{shape} rows {rows} ws={v['ws']} stages {v['stages']}: {us:.1f} us, bf16 {bf16_us:.1f}, "
-              f"{bf16_us / us:.2f}x")
+        print(f"{shape} rows {rows} {_name(v)}: {us:.1f} us, bf16 {bf16_us:.1f}, {bf16_us / us:.2f}x")
   if records:
     print("\nshape        rows  best      us  bf16 us  speedup   (best WS / best plain)")
     for shape in args.shapes:
