@@ -1,6 +1,7 @@
 """Probe: does a warp-specialized NVFP4 tile beat the bf16 dot at 8-128 rows on Hopper?
 
     python experiments/triton_ws_probe.py --out $OUT/triton_ws_probe.json          # on the GPU (torch + triton)
+    python experiments/triton_ws_probe.py --jax --out $OUT/triton_ws_probe_jax.json  # on the GPU, through JAX
     python experiments/triton_ws_probe.py --sass                                    # CPU: what sm_90 gets
     TRITON_INTERPRET=1 python experiments/triton_ws_probe.py --check-only --shapes tiny   # CPU: correctness
 
@@ -28,6 +29,7 @@ import collections
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 
@@ -168,19 +170,12 @@ def check(case, variant) -> float:
 def sass_report(shape: str, rows: int) -> list[dict]:
   """Compile each variant for sm_90 without a GPU: whether the loop was split into partitions, registers, shared
   memory and the SASS's opcode counts (the whole kernel; the loop is not isolated)."""
-  from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
-  k, n = SHAPES[shape]
+  k, _ = SHAPES[shape]
   out = []
   for v in VARIANTS:
-    sig = {"x_ptr": "*bf16", "packed_ptr": "*u8", "scale_ptr": "*u8", "y_ptr": "*bf16", "M": "i32", "N": "i32"}
-    consts = dict(K=k, BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=v["block_n"], BLOCK_K=v["block_k"],
-                  STAGES=v["stages"], WS=v["ws"], SCALES_KN=v["scales"] == "kn", INTERPRET=False)
-    src = triton.compiler.ASTSource(fn=tile_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
-                                    constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in range(4)})
     row = dict(v, shape=shape, rows=rows)
     try:
-      compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=v["num_warps"], num_stages=v["stages"]))
+      compiled = compile_for(v, rows, k)
     except Exception as e:  # pylint: disable=broad-except  # Triton's pass failures: report, go on
       row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
       print(f"{shape} rows {rows} {v}: FAILED {row['failed']}")
@@ -206,6 +201,122 @@ def sass_report(shape: str, rows: int) -> list[dict]:
   return out
 
 
+def compile_for(variant, rows: int, k: int, capability: int = 90):
+  """The variant compiled by this Triton for one shape and row count (what a JAX launch hands the CUDA plugin)."""
+  from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
+  sig = {"x_ptr": "*bf16", "packed_ptr": "*u8", "scale_ptr": "*u8", "y_ptr": "*bf16", "M": "i32", "N": "i32"}
+  consts = dict(K=k, BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=variant["block_n"],
+                BLOCK_K=variant["block_k"], STAGES=variant["stages"], WS=variant["ws"],
+                SCALES_KN=variant["scales"] == "kn", INTERPRET=False)
+  src = triton.compiler.ASTSource(fn=tile_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
+                                  constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in range(4)})
+  return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                        options=dict(num_warps=variant["num_warps"], num_stages=variant["stages"]))
+
+
+def jax_tile(variant, rows: int, k: int, n: int, capability: int = 90):
+  """f(x, packed, scale) -> y [rows, N] bf16 as one JAX custom call: this Triton's compiled kernel handed to the CUDA
+  plugin's launcher (`triton_kernel_call_ffi`, the call jax-triton emits), which also allocates the global scratch
+  the device-side descriptors are written to (jax-triton 0.3.1 passes none). `scale` is the [K/16, N] copy for the
+  "kn" variants. Lowers on any machine whose jaxlib has the CUDA plugin; runs on a GPU only."""
+  import zlib  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jax._src.interpreters import mlir  # pylint: disable=import-outside-toplevel
+  from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
+  from jax.extend.core import Primitive  # pylint: disable=import-outside-toplevel
+  from jaxlib import gpu_triton  # pylint: disable=import-outside-toplevel
+  if getattr(gpu_triton, "TritonKernel", None) is None:
+    raise RuntimeError("this jaxlib has no CUDA plugin (jax-cuda12-plugin): no Triton launcher to hand the kernel to")
+  compiled = compile_for(variant, rows, k, capability)
+  meta = compiled.metadata
+  kernel = gpu_triton.TritonKernel(meta.name, variant["num_warps"], 1, meta.shared, compiled.asm["ptx"],
+                                   compiled.asm["ttir"], capability, meta.global_scratch_size,
+                                   meta.global_scratch_align)
+  params = ([gpu_triton.create_array_parameter(0, 16)] * 4  # x, packed, scale, then y (the call's result)
+            + [gpu_triton.create_scalar_parameter(rows, "i32"), gpu_triton.create_scalar_parameter(n, "i32")])
+  call = gpu_triton.TritonKernelCall(kernel, triton.cdiv(n, variant["block_n"]), 1, 1, params)
+  opaque = zlib.compress(call.to_proto(meta.name, b""))
+  prim = Primitive(f"triton_ws_probe_{meta.name}")
+  prim.def_impl(lambda *args: jax.jit(prim.bind)(*args))
+  prim.def_abstract_eval(lambda *avals: jax.core.ShapedArray((rows, n), jnp.bfloat16))
+
+  def lowering(ctx, *operands):
+    layouts = lambda avals: [list(reversed(range(len(a.shape)))) for a in avals]  # noqa: E731  # row-major
+    out_type = mlir.aval_to_ir_type(ctx.module_context, ctx.avals_out[0])
+    config = dict(name=ir.StringAttr.get(meta.name), opaque=ir.StringAttr.get(opaque))
+    return mlir.custom_call("triton_kernel_call_ffi", result_types=[out_type], operands=list(operands),
+                            backend_config=config, operand_layouts=layouts(ctx.avals_in),
+                            result_layouts=layouts(ctx.avals_out)).results
+
+  mlir.register_lowering(prim, lowering, platform="cuda")
+  return prim.bind
+
+
+def jax_run(shapes, rows_list, out_path) -> list[dict]:
+  """Each variant through `jax_tile`: checked against NumPy, then timed as one jitted program of 16 launches over
+  rotated weight copies (host-timed median of 30 runs, per launch), beside XLA's bf16 dot and the project's tile
+  kernel (Pallas) in the same harness: what a model launch would cost, custom call included."""
+  import time  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import qerl_kernels  # pylint: disable=import-outside-toplevel
+  from qerl_jax.quant.types import NVFP4Tensor  # pylint: disable=import-outside-toplevel
+  capability = int(float(jax.devices()[0].compute_capability) * 10)
+  records = []
+  for shape in shapes:
+    k, n = SHAPES[shape]
+    for rows in rows_list:
+      case = make_case(rows, k, n, "cpu")
+      x = jnp.asarray(case["x"].float().numpy(), jnp.bfloat16)
+      packed, scale_nk = jnp.asarray(case["packed"].numpy()), jnp.asarray(case["scale"].numpy())
+      scale_kn = jnp.asarray(case["scale_kn"].numpy())
+      # Rotated copies past the 50-60 MB L2, so that each launch streams its weight from HBM.
+      copies = [(packed + jnp.uint8(0), scale_nk + jnp.uint8(0), scale_kn + jnp.uint8(0))
+                for _ in range(max(2, -(-256 * 2 ** 20 // (n * k * 9 // 16))))]
+      w_bf16 = jnp.asarray(case["w"], jnp.bfloat16)
+      bf16_copies = [(w_bf16 + 0,) for _ in range(max(2, -(-256 * 2 ** 20 // (n * k * 2))))]
+      calls = 16
+
+      def host_us(op, operands):  # per launch: the median of 30 runs of one jitted program of `calls` launches
+        run = jax.jit(lambda x, cs: [op(x, *cs[j % len(cs)]) for j in range(calls)])
+        jax.block_until_ready(run(x, operands))
+        times = []
+        for _ in range(30):
+          t0 = time.perf_counter()
+          jax.block_until_ready(run(x, operands))
+          times.append((time.perf_counter() - t0) * 1e6 / calls)
+        return statistics.median(times)
+
+      bf16_us = host_us(lambda x, w: x @ w.T, bf16_copies)
+      q = lambda p, s: NVFP4Tensor(p, jax.lax.bitcast_convert_type(s, jnp.float8_e4m3fn),  # noqa: E731
+                                   jnp.ones((1,), jnp.float32))
+      pallas_us = host_us(lambda x, p, s, s_kn: qerl_kernels.nvfp4_matmul(x, q(p, s)), copies)
+      for v in VARIANTS:
+        record = dict(v, shape=shape, rows=rows, k=k, n=n, bf16_us=bf16_us, pallas_us=pallas_us,
+                      device=jax.devices()[0].device_kind, jax=jax.__version__, triton=triton.__version__,
+                      commit=os.environ.get("QERL_COMMIT", ""))
+        try:
+          tile = jax_tile(v, rows, k, n, capability)
+          op = (lambda x, p, s, s_kn, tile=tile: tile(x, p, s)) if v["scales"] == "nk" else (
+            lambda x, p, s, s_kn, tile=tile: tile(x, p, s_kn))
+          y = np.asarray(jax.jit(op)(x, packed, scale_nk, scale_kn), np.float64)
+          ref = case["y_ref"]
+          record["err_ulps"] = float((np.abs(y - ref) / (np.abs(ref) * 2.0 ** -7 + 1e-5 * np.abs(ref).max())).max())
+          if record["err_ulps"] <= 1.0:
+            record["us"] = host_us(op, copies)
+        except Exception as e:  # pylint: disable=broad-except  # a variant the plugin or the GPU refuses: say so
+          record["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        records.append(record)
+        print(f"jax {shape} rows {rows} {_name(v)}: " + (
+          f"{record['us']:.1f} us, XLA bf16 {bf16_us:.1f}, Pallas tile {pallas_us:.1f}" if "us" in record
+          else record.get("failed", f"WRONG: {record.get('err_ulps')} ulps")))
+      if out_path:
+        with open(out_path, "w") as f:
+          json.dump(records, f, indent=1)
+  return records
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--shapes", nargs="+", default=["7b.gate", "7b.gate_up", "7b.down", "7b.qkv", "7b.o"],
@@ -213,9 +324,16 @@ def main(argv=None) -> int:
   p.add_argument("--rows", nargs="+", type=int, default=[8, 16, 64, 128])
   p.add_argument("--sass", action="store_true", help="compile for sm_90 here and report each variant")
   p.add_argument("--check-only", action="store_true")
+  p.add_argument("--jax", action="store_true",
+                 help="GPU: each variant as a JAX custom call through the CUDA plugin's Triton launcher, timed beside "
+                      "XLA's bf16 dot and the project's tile kernel (run it in its own process: a launch the plugin "
+                      "gets wrong can take the process down)")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   _require_triton()
+  if args.jax:
+    jax_run(args.shapes, args.rows, args.out)
+    return 0
   if args.sass:
     rows = [r for s in args.shapes for m in args.rows for r in sass_report(s, m)]
     if args.out:
