@@ -186,6 +186,27 @@ def test_split_params_separates_adapters_and_norms_and_remat_gives_the_same_grad
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
+def test_bf16_base_matmul_differentiates_in_bf16_with_exact_products():
+  # The backward multiplies the bf16 cotangent by the bf16 weight (float32 sums, one rounding), as the forward
+  # does: no float32 copy of W and no float32 GEMM (JAX's own transpose of a float32-accumulating einsum makes
+  # both). Values against float64 NumPy: within one bf16 rounding of the exact result.
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  bf16 = jnp.bfloat16
+  x, w, dy = (jnp.asarray(rng.standard_normal(s), bf16) for s in ((2, 3, 64), (64, 48), (2, 3, 48)))
+  y, vjp = jax.vjp(base_matmul, x, w)
+  dx, dw = vjp(dy)
+  assert y.dtype == dx.dtype == dw.dtype == bf16
+  f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+  for got, want in ((y, f64(x) @ f64(w)), (dx, f64(dy) @ f64(w).T),
+                    (dw, np.einsum("btk,btn->kn", f64(x), f64(dy)))):
+    np.testing.assert_allclose(f64(got), want, rtol=2.0 ** -8, atol=1e-6 * np.abs(want).max(), err_msg=f"{seed=}")
+  # Every dot of the backward (w frozen, as the model's base is) reads bf16 operands.
+  hlo = jax.jit(lambda x, w, dy: jax.vjp(lambda x: base_matmul(x, w), x)[1](dy)).lower(x, w, dy).as_text()
+  operands = re.findall(r"stablehlo.dot_general .*: \((tensor<[^>]+>), (tensor<[^>]+>)\)", hlo)
+  assert operands and all(a.endswith("xbf16>") and b.endswith("xbf16>") for a, b in operands), operands
+
+
 @pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4", "nf4"])
 def test_base_matmul_equals_dot_with_the_dequantized_weight(scheme):
   from qerl_jax import quant
@@ -219,7 +240,9 @@ def test_linears_share_one_x_at_a_matmul_and_give_each_projections_numpy_output(
     ref = x64 @ f("w") + (f("b") if "b" in p else 0) + 0.5 * (x64 @ f("lora_a")) @ f("lora_b")
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-4, err_msg=f"{seed=}")
   # One x @ A for the three adapters ([.., 32] x [32, 10]), then one x @ W and one xa @ B per projection.
-  dots = [e for e in jax.make_jaxpr(lambda x: linears(x, ps, 0.5))(x).eqns if e.primitive.name == "dot_general"]
+  from tests.test_rollout_layers import _eqns  # (that module imports this one)
+  # (The base matmuls sit inside their custom_vjp's jaxpr.)
+  dots = [e for e in _eqns(jax.make_jaxpr(lambda x: linears(x, ps, 0.5))(x).jaxpr) if e.primitive.name == "dot_general"]
   shapes = sorted(tuple(e.invars[1].aval.shape) for e in dots)
   assert shapes == sorted([(32, 10), (32, 24), (32, 8), (32, 8), (4, 24), (4, 8), (2, 8)]), shapes
 
