@@ -12,9 +12,9 @@ warp that issues TMA copies and consumer warps that decode and multiply (``tl.ra
 but Pallas cannot ask for it, and Triton does it only for loops whose loads are tensor descriptors (TMA): with
 plain loads its pass manager fails (checked with ``--sass``). This script writes the swapped tile directly in
 Triton (y^T = dequant(W) @ x^T: the decoded weight is wgmma's register operand, the rows are its N), with and
-without warp specialization, and times it beside torch's bf16 matmul on the same shape. It decides whether a
-jax-triton kernel is worth building (jax-triton 0.3.1 passes no global scratch, which device-side descriptors
-need); it is not one.
+without warp specialization, and times it beside torch's bf16 matmul on the same shape. It decides whether such a
+kernel is worth building into the model; it is not one. ``--jax`` launches it from JAX through the CUDA plugin's
+Triton launcher, which allocates the global scratch its device-side descriptors need (jax-triton 0.3.1 does not).
 
 The kernel: y[m, n] = sum_k x[m, k] * dequant(W)[n, k] for M <= BLOCK_M rows of x (bf16) and W as NVFP4 (codes
 [N, K/2] uint8, two per byte, low nibble first; e4m3 scales [N, K/16]; global scale 1). The codes decode to bf16
