@@ -185,7 +185,6 @@ def ptx_report(shape: str, decodes) -> list[dict]:
 def jax_triton_run(shapes, out_path) -> list[dict]:
   """The probe's kernel through jax-triton (the way a JAX model would call it): checked against NumPy, then timed
   as one jitted program of 16 launches over rotated weight copies (median of 30 runs, per launch)."""
-  import time  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import jax_triton as jt  # pylint: disable=import-outside-toplevel
@@ -218,17 +217,6 @@ def jax_triton_run(shapes, out_path) -> list[dict]:
     err = float(np.abs(y - case["y_ref"]).max() / np.abs(case["y_ref"]).max())
     num_copies = max(2, -(-256 * 2 ** 20 // (n * k * 9 // 16)))  # past the 60 MB L2
     copies = [(packed + jnp.uint8(0), scale + jnp.uint8(0)) for _ in range(num_copies)]
-    calls = 16
-
-    def host_us(op):  # per launch: the median of 30 runs of one jitted program of `calls` launches
-      run = jax.jit(lambda x, cs: [op(x, *cs[j % len(cs)]) for j in range(calls)])
-      jax.block_until_ready(run(x, copies))
-      times = []
-      for _ in range(30):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(x, copies))
-        times.append((time.perf_counter() - t0) * 1e6 / calls)
-      return statistics.median(times)
 
     # The control: the shipped Pallas gemv on the same bytes in the same harness (its launches are XLA
     # fusions, which XLA's command buffers capture; a custom call's launch may not be).
@@ -236,8 +224,8 @@ def jax_triton_run(shapes, out_path) -> list[dict]:
     import qerl_kernels  # pylint: disable=import-outside-toplevel
     pallas = lambda x, p, s: qerl_kernels.nvfp4_matmul(  # noqa: E731
         x[None], NVFP4Tensor(p, jax.lax.bitcast_convert_type(s, jnp.float8_e4m3fn), jnp.ones((1,), jnp.float32)))
-    records.append(dict(v, shape=shape, decode="asm", err=err, us_per_call_host=host_us(gemv_parts),
-                        pallas_us_per_call_host=host_us(pallas),
+    records.append(dict(v, shape=shape, decode="asm", err=err, us_per_call_host=host_us(gemv_parts, x, copies),
+                        pallas_us_per_call_host=host_us(pallas, x, copies),
                         device=jax.devices()[0].device_kind, jax=jax.__version__,
                         jax_triton=getattr(jt, "__version__", "?"), triton=triton.__version__,
                         commit=os.environ.get("QERL_COMMIT", "")))
@@ -246,6 +234,21 @@ def jax_triton_run(shapes, out_path) -> list[dict]:
     if out_path:
       json.dump(records, open(out_path, "w"), indent=1)
   return records
+
+
+def host_us(op, x, operands, calls: int = 16, runs: int = 30) -> float:
+  """Per launch: the median over ``runs`` of one jitted program of ``calls`` launches of ``op(x, *operands[j])``,
+  cycling through ``operands`` (rotated weight copies), host-timed. How a JAX model would pay for a launch."""
+  import time  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  run = jax.jit(lambda x, cs: [op(x, *cs[j % len(cs)]) for j in range(calls)])
+  jax.block_until_ready(run(x, operands))
+  times = []
+  for _ in range(runs):
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(x, operands))
+    times.append((time.perf_counter() - t0) * 1e6 / calls)
+  return statistics.median(times)
 
 
 def time_us(fns, replays: int = 30) -> float:

@@ -10,7 +10,8 @@ that is what keeps the batch-64 rollout at 0.93x bf16 on an H200 (RESULTS.md, 38
 warpgroup that loads, decodes and waits on its wgmma in turn. Triton 3.6 can split such a loop into a producer
 warp that issues TMA copies and consumer warps that decode and multiply (``tl.range(..., warp_specialize=True)``),
 but Pallas cannot ask for it, and Triton does it only for loops whose loads are tensor descriptors (TMA): with
-plain loads its pass manager fails (checked with ``--sass``). This script writes the swapped tile directly in
+plain loads its pass manager failed at these tiles (an earlier, ``tl.load`` version, compiled for sm_90 on the
+CPU). This script writes the swapped tile directly in
 Triton (y^T = dequant(W) @ x^T: the decoded weight is wgmma's register operand, the rows are its N), with and
 without warp specialization, and times it beside torch's bf16 matmul on the same shape. It decides whether such a
 kernel is worth building into the model; it is not one. ``--jax`` launches it from JAX through the CUDA plugin's
@@ -29,14 +30,10 @@ import collections
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 
 import numpy as np
-
-# The reference dequantizes with the project's JAX code; torch needs the GPU's memory, so JAX takes what it uses.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 SHAPES = {  # name: (K, N) of the weight as y = x @ W^T reads it
   "7b.gate": (3584, 18944),
@@ -162,9 +159,19 @@ def check(case, variant) -> float:
                    device=case["x"].device)
   launch(case, out, **variant)
   y, ref = out.double().cpu().numpy(), case["y_ref"]
-  if not np.isfinite(y).all():  # the output was poisoned with NaN: a tile left unwritten fails here
+  return ulps_error(y, ref)
+
+
+def ulps_error(y, ref) -> float:
+  """The largest |y - ref| in bf16 ulps of ref (`check`); inf where y is not finite (a poisoned, unwritten tile)."""
+  if not np.isfinite(y).all():
     return float("inf")
   return float((np.abs(y - ref) / (np.abs(ref) * 2.0 ** -7 + 1e-5 * np.abs(ref).max())).max())
+
+
+def rotations(nbytes: int) -> int:
+  """Copies of an operand of ``nbytes`` that together pass 256 MB, so that each launch streams it from HBM."""
+  return max(2, -(-256 * 2 ** 20 // nbytes))
 
 
 def sass_report(shape: str, rows: int) -> list[dict]:
@@ -238,7 +245,6 @@ def jax_tile(variant, rows: int, k: int, n: int, capability: int = 90):
   call = gpu_triton.TritonKernelCall(kernel, triton.cdiv(n, variant["block_n"]), 1, 1, params)
   opaque = zlib.compress(call.to_proto(meta.name, b""))
   prim = Primitive(f"triton_ws_probe_{meta.name}")
-  prim.def_impl(lambda *args: jax.jit(prim.bind)(*args))
   prim.def_abstract_eval(lambda *avals: jax.core.ShapedArray((rows, n), jnp.bfloat16))
 
   def lowering(ctx, *operands):
@@ -257,7 +263,7 @@ def jax_run(shapes, rows_list, out_path) -> list[dict]:
   """Each variant through `jax_tile`: checked against NumPy, then timed as one jitted program of 16 launches over
   rotated weight copies (host-timed median of 30 runs, per launch), beside XLA's bf16 dot and the project's tile
   kernel (Pallas) in the same harness: what a model launch would cost, custom call included."""
-  import time  # pylint: disable=import-outside-toplevel
+  from triton_gemv_probe import host_us  # pylint: disable=import-outside-toplevel  # one jitted program, medians
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import qerl_kernels  # pylint: disable=import-outside-toplevel
@@ -273,25 +279,13 @@ def jax_run(shapes, rows_list, out_path) -> list[dict]:
       scale_kn = jnp.asarray(case["scale_kn"].numpy())
       # Rotated copies past the 50-60 MB L2, so that each launch streams its weight from HBM.
       copies = [(packed + jnp.uint8(0), scale_nk + jnp.uint8(0), scale_kn + jnp.uint8(0))
-                for _ in range(max(2, -(-256 * 2 ** 20 // (n * k * 9 // 16))))]
+                for _ in range(rotations(n * k * 9 // 16))]
       w_bf16 = jnp.asarray(case["w"], jnp.bfloat16)
-      bf16_copies = [(w_bf16 + 0,) for _ in range(max(2, -(-256 * 2 ** 20 // (n * k * 2))))]
-      calls = 16
-
-      def host_us(op, operands):  # per launch: the median of 30 runs of one jitted program of `calls` launches
-        run = jax.jit(lambda x, cs: [op(x, *cs[j % len(cs)]) for j in range(calls)])
-        jax.block_until_ready(run(x, operands))
-        times = []
-        for _ in range(30):
-          t0 = time.perf_counter()
-          jax.block_until_ready(run(x, operands))
-          times.append((time.perf_counter() - t0) * 1e6 / calls)
-        return statistics.median(times)
-
-      bf16_us = host_us(lambda x, w: x @ w.T, bf16_copies)
+      bf16_copies = [(w_bf16 + 0,) for _ in range(rotations(n * k * 2))]
+      bf16_us = host_us(lambda x, w: x @ w.T, x, bf16_copies)
       q = lambda p, s: NVFP4Tensor(p, jax.lax.bitcast_convert_type(s, jnp.float8_e4m3fn),  # noqa: E731
                                    jnp.ones((1,), jnp.float32))
-      pallas_us = host_us(lambda x, p, s, s_kn: qerl_kernels.nvfp4_matmul(x, q(p, s)), copies)
+      pallas_us = host_us(lambda x, p, s, s_kn: qerl_kernels.nvfp4_matmul(x, q(p, s)), x, copies)
       for v in VARIANTS:
         record = dict(v, shape=shape, rows=rows, k=k, n=n, bf16_us=bf16_us, pallas_us=pallas_us,
                       device=jax.devices()[0].device_kind, jax=jax.__version__, triton=triton.__version__,
@@ -301,10 +295,9 @@ def jax_run(shapes, rows_list, out_path) -> list[dict]:
           op = (lambda x, p, s, s_kn, tile=tile: tile(x, p, s)) if v["scales"] == "nk" else (
             lambda x, p, s, s_kn, tile=tile: tile(x, p, s_kn))
           y = np.asarray(jax.jit(op)(x, packed, scale_nk, scale_kn), np.float64)
-          ref = case["y_ref"]
-          record["err_ulps"] = float((np.abs(y - ref) / (np.abs(ref) * 2.0 ** -7 + 1e-5 * np.abs(ref).max())).max())
+          record["err_ulps"] = ulps_error(y, case["y_ref"])
           if record["err_ulps"] <= 1.0:
-            record["us"] = host_us(op, copies)
+            record["us"] = host_us(op, x, copies)
         except Exception as e:  # pylint: disable=broad-except  # a variant the plugin or the GPU refuses: say so
           record["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         records.append(record)
@@ -331,6 +324,8 @@ def main(argv=None) -> int:
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   _require_triton()
+  # The reference dequantizes with the project's JAX code; torch needs the GPU's memory, so JAX takes what it uses.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   if args.jax:
     jax_run(args.shapes, args.rows, args.out)
     return 0
@@ -364,8 +359,7 @@ def main(argv=None) -> int:
         return 1
       if args.check_only or device != "cuda":
         continue
-      # Rotate weight copies past the 50-60 MB L2, so that each call streams its weight from HBM.
-      copies = max(2, -(-256 * 2 ** 20 // (n * k * 9 // 16)))
+      copies = rotations(n * k * 9 // 16)  # past the 50-60 MB L2
       rot = [dict(case, packed=case["packed"].clone(), scale=case["scale"].clone(), scale_kn=case["scale_kn"].clone())
              for _ in range(copies)]
       calls = max(copies, 16)

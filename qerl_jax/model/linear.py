@@ -138,8 +138,8 @@ def dense_matmul(x_BxTxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
 
   Its backward does the same with the cotangent: dy (x's dtype) @ W^T and x^T @ dy, each accumulated in float32
   and rounded once. JAX's own transpose of the float32-accumulating einsum takes dy in float32 and so converts W
-  to float32 for a float32 GEMM of every weight in every backward; the NVFP4 path's dot is 16-bit both ways,
-  so the bf16 GRPO update was the slower one (7B on an H200 at 38be05a: 9.11 s against NVFP4's 7.42).
+  to float32 for a float32 GEMM of every weight in every backward; the NVFP4 path's dot is 16-bit both ways (the
+  likely cause of the bf16 GRPO update's 9.11 s against NVFP4's 7.42, 7B on an H200 at 38be05a; not re-timed).
   The values are the same up to the float32 sums' order (products of two bf16 numbers are exact in float32).
   """
   return jnp.einsum("...k,kn->...n", x_BxTxK, w_KxN, preferred_element_type=jnp.float32).astype(x_BxTxK.dtype)
