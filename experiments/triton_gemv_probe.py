@@ -236,17 +236,30 @@ def jax_triton_run(shapes, out_path) -> list[dict]:
   return records
 
 
+def host_program(op, calls: int):
+  """`host_us`'s jitted program: ``calls`` launches of ``op``, launch j on row j of the stacked x and on weight copy
+  j mod (number of copies)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  return jax.jit(lambda xs, cs: [op(xs[j], *cs[j % len(cs)]) for j in range(calls)])
+
+
 def host_us(op, x, operands, calls: int = 16, runs: int = 30) -> float:
-  """Per launch: the median over ``runs`` of one jitted program of ``calls`` launches of ``op(x, *operands[j])``,
-  cycling through ``operands`` (rotated weight copies), host-timed. How a JAX model would pay for a launch."""
+  """Per launch: the median over ``runs`` of one jitted program of ``calls`` launches of ``op(x_j, *operands[j])``,
+  cycling through ``operands`` (rotated weight copies), host-timed. How a JAX model would pay for a launch.
+
+  Each launch reads its own copy of x (x_j, a slice of a stacked input): with fewer weight copies than calls, XLA
+  merges launches whose operands are all the same (CSE; a 16-dot program over 2 copies compiles to 2 dots), which
+  made the bf16 dot look 8x cheaper in the warp-specialization probe's first GPU run."""
   import time  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
-  run = jax.jit(lambda x, cs: [op(x, *cs[j % len(cs)]) for j in range(calls)])
-  jax.block_until_ready(run(x, operands))
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  run = host_program(op, calls)
+  xs = jnp.stack([x] * calls)
+  jax.block_until_ready(run(xs, operands))
   times = []
   for _ in range(runs):
     t0 = time.perf_counter()
-    jax.block_until_ready(run(x, operands))
+    jax.block_until_ready(run(xs, operands))
     times.append((time.perf_counter() - t0) * 1e6 / calls)
   return statistics.median(times)
 

@@ -14,7 +14,9 @@ plain loads its pass manager failed at these tiles (an earlier, ``tl.load`` vers
 CPU). This script writes the swapped tile directly in
 Triton (y^T = dequant(W) @ x^T: the decoded weight is wgmma's register operand, the rows are its N), with and
 without warp specialization, and times it beside torch's bf16 matmul on the same shape. It decides whether such a
-kernel is worth building into the model; it is not one. ``--jax`` launches it from JAX through the CUDA plugin's
+kernel is worth building into the model; it is not one. First GPU run (an H100, 0d5b0d8; RESULTS.md): no. The split
+loop is right only at 2 stages and there 2x slower than the unsplit one, which is itself slower than the project's
+Pallas tile. ``--jax`` launches it from JAX through the CUDA plugin's
 Triton launcher, which allocates the global scratch its device-side descriptors need (jax-triton 0.3.1 does not).
 
 The kernel: y[m, n] = sum_k x[m, k] * dequant(W)[n, k] for M <= BLOCK_M rows of x (bf16) and W as NVFP4 (codes
@@ -159,7 +161,14 @@ def check(case, variant) -> float:
                    device=case["x"].device)
   launch(case, out, **variant)
   y, ref = out.double().cpu().numpy(), case["y_ref"]
-  return ulps_error(y, ref)
+  err = ulps_error(y, ref)
+  if err > 1.0:  # where it is wrong: which rows and columns (a pattern names the bug: one stage, one partition)
+    bad = ~(np.abs(y - ref) <= np.abs(ref) * 2.0 ** -7 + 1e-5 * np.abs(ref).max())
+    rows_bad, cols_bad = np.nonzero(bad.any(1))[0], np.nonzero(bad.any(0))[0]
+    print(f"  {_name(variant)}: {bad.mean():.4f} of outputs wrong; rows {rows_bad[:8].tolist()} of {len(rows_bad)}, "
+          f"columns {cols_bad[:8].tolist()}.. of {len(cols_bad)}; column blocks of 64 wrong: "
+          f"{len(np.unique(cols_bad // 64))} of {-(-y.shape[1] // 64)}; y[0,:4] {y[0, :4]} ref {ref[0, :4]}")
+  return err
 
 
 def ulps_error(y, ref) -> float:
@@ -339,24 +348,23 @@ def main(argv=None) -> int:
   from triton_gemv_probe import time_us  # pylint: disable=import-outside-toplevel  # CUDA-graph replays, medians
   device = "cuda" if torch.cuda.is_available() else "cpu"
   _scratch_allocator(device)
-  records = []
+  records, failed = [], []
   for shape in args.shapes:
     k, n = SHAPES[shape]
     for rows in args.rows:
       case = make_case(rows, k, n, device)
-      variants, errors = [], []
+      variants = []
       for v in VARIANTS:
         try:
-          errors.append(check(case, v))
+          err = check(case, v)
         except triton.runtime.errors.OutOfResources as e:  # shared memory past the SM's at many rows and stages
           print(f"{shape} rows {rows} {v}: not run ({e})")
           continue
+        print(f"{shape} rows {rows} {_name(v)}: largest error {err:.3f} bf16 ulps")
+        if err > 1.0:  # a wrong variant is a finding: it is reported, kept out of the timing, and fails the run
+          failed.append(dict(v, shape=shape, rows=rows, check_ulps=err))
+          continue
         variants.append(v)
-      worst = max(errors)
-      print(f"{shape} rows {rows}: largest error {worst:.3f} bf16 ulps over {len(variants)} variants")
-      if worst > 1.0:
-        print("FAILED: the tile does not match its reference", file=sys.stderr)
-        return 1
       if args.check_only or device != "cuda":
         continue
       copies = rotations(n * k * 9 // 16)  # past the 50-60 MB L2
@@ -378,6 +386,8 @@ def main(argv=None) -> int:
     for shape in args.shapes:
       for rows in args.rows:
         rs = [r for r in records if r["shape"] == shape and r["rows"] == rows]
+        if not rs:
+          continue
         best = min(rs, key=lambda r: r["us"])
         ws_best = min((r["us"] for r in rs if r["ws"]), default=float("nan"))
         plain_best = min((r["us"] for r in rs if not r["ws"]), default=float("nan"))
@@ -385,7 +395,10 @@ def main(argv=None) -> int:
               f"{best['speedup']:7.2f}x  {plain_best / ws_best:.2f}")
   if args.out:
     with open(args.out, "w") as f:
-      json.dump(records, f, indent=1)
+      json.dump(records + failed, f, indent=1)
+  if failed:
+    print(f"FAILED: {len(failed)} variant(s) do not match the reference (above)", file=sys.stderr)
+    return 1
   return 0
 
 
