@@ -201,10 +201,14 @@ def test_bf16_base_matmul_differentiates_in_bf16_with_exact_products():
   for got, want in ((y, f64(x) @ f64(w)), (dx, f64(dy) @ f64(w).T),
                     (dw, np.einsum("btk,btn->kn", f64(x), f64(dy)))):
     np.testing.assert_allclose(f64(got), want, rtol=2.0 ** -8, atol=1e-6 * np.abs(want).max(), err_msg=f"{seed=}")
-  # Every dot of the backward (w frozen, as the model's base is) reads bf16 operands.
+  # Every dot of the backward (w frozen, as the model's base is) reads bf16 operands, and the forward's dot gives
+  # bf16 itself (a float32 result then cast is an extra pass over every output on the GPU).
   hlo = jax.jit(lambda x, w, dy: jax.vjp(lambda x: base_matmul(x, w), x)[1](dy)).lower(x, w, dy).as_text()
   operands = re.findall(r"stablehlo.dot_general .*: \((tensor<[^>]+>), (tensor<[^>]+>)\)", hlo)
   assert operands and all(a.endswith("xbf16>") and b.endswith("xbf16>") for a, b in operands), operands
+  fwd = jax.jit(base_matmul).lower(x, w).as_text()
+  results = re.findall(r"stablehlo.dot_general .*-> (tensor<[^>]+>)", fwd)
+  assert results and all(r.endswith("xbf16>") for r in results), results
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4", "nf4"])

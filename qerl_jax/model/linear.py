@@ -132,34 +132,17 @@ def base_matmul(x_BxTxK: jax.Array, w: Any, **epilogue) -> jax.Array:
   return dense_matmul(x_BxTxK, w_KxN)
 
 
-@jax.custom_vjp
 def dense_matmul(x_BxTxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
-  """x @ W for arrays of one dtype: float32 accumulation, rounded once to that dtype.
+  """x @ W for arrays of one dtype, as a dot in that dtype, the same dot the NVFP4 path's XLA reference runs.
 
-  Its backward does the same with the cotangent: dy (x's dtype) @ W^T and x^T @ dy, each accumulated in float32
-  and rounded once. JAX's own transpose of the float32-accumulating einsum takes dy in float32 and so converts W
-  to float32 for a float32 GEMM of every weight in every backward; the NVFP4 path's dot is 16-bit both ways (the
-  likely cause of the bf16 GRPO update's 9.11 s against NVFP4's 7.42, 7B on an H200 at 38be05a; not re-timed).
-  The values are the same up to the float32 sums' order (products of two bf16 numbers are exact in float32).
+  XLA accumulates 16-bit dots in float32 and rounds once, on the CPU and the GPU, and JAX's transpose of such a
+  dot (dy @ W^T) is a 16-bit dot too; the base's weight gradient is never used and is dropped before XLA
+  compiles. Until 0554259 this asked for a float32 result and cast it, which made that transpose a float32 GEMM
+  over a float32 copy of every weight (bf16 7B GRPO update 9.66 -> 8.11 s on an H100 once it went, RESULTS.md
+  "At 0d5b0d8"); the custom VJP that fixed it left the forward's float32 result and cast, which the bf16 path
+  alone paid.
   """
-  return jnp.einsum("...k,kn->...n", x_BxTxK, w_KxN, preferred_element_type=jnp.float32).astype(x_BxTxK.dtype)
-
-
-def _dense_matmul_fwd(x_BxTxK, w_KxN):
-  return dense_matmul(x_BxTxK, w_KxN), (x_BxTxK, w_KxN)
-
-
-def _dense_matmul_bwd(res, dy_BxTxN):
-  x_BxTxK, w_KxN = res
-  dy = dy_BxTxN.astype(x_BxTxK.dtype)
-  dx = jnp.einsum("...n,kn->...k", dy, w_KxN, preferred_element_type=jnp.float32).astype(x_BxTxK.dtype)
-  # The weight's gradient. A frozen base's is never used and its dot is dropped before XLA compiles (a tiny
-  # model's gradient has as many dots as before this VJP).
-  dw = jnp.einsum("...k,...n->kn", x_BxTxK, dy, preferred_element_type=jnp.float32).astype(w_KxN.dtype)
-  return dx, dw
-
-
-dense_matmul.defvjp(_dense_matmul_fwd, _dense_matmul_bwd)
+  return jnp.matmul(x_BxTxK, w_KxN)
 
 
 def _xa_in_gemv(x_BxTxK: jax.Array, p: dict[str, Any]) -> bool:
