@@ -621,6 +621,24 @@ def test_triton_ws_probe_matches_numpy_and_splits_only_when_asked():
     assert r["partitions"] == r["ws"] and r["wgmma_register_a"] and r["tma_loads"] > 0, r
 
 
+def test_bench_dot_forms_checks_both_forms_against_numpy():
+  # Both dot forms give bf16 outputs and input gradients within one bf16 rounding of float64 on fresh inputs (a form
+  # that summed in bf16 would not), and every record carries its timings and kernel counts.
+  import numpy as np
+  from experiments import bench_dot_forms
+  records = bench_dot_forms.main(["--smoke"])
+  assert [r["form"] for r in records] == ["f32_then_cast", "bf16_dot"]
+  for r in records:
+    assert r["out_dtype"] == r["dx_dtype"] == "bfloat16", r
+    assert 0.05 < r["err_roundings"] <= 1.01 and 0.05 < r["dx_err_roundings"] <= 1.01, r
+    assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["fwd_kernels"] >= 1 and r["fwd_bwd_kernels"] >= 2, r
+  x = np.arange(6, dtype=np.float64).reshape(2, 3) / 7
+  w = np.ones((3, 2))
+  exact = x @ w
+  assert bench_dot_forms.check_error(exact, x, w) == 0.0
+  assert bench_dot_forms.check_error(exact * (1 + 2.0 ** -7), x, w) > 1.9  # two roundings' worth
+
+
 def test_probe_launch_harness_keeps_every_launch():
   # host_us times `calls` launches over fewer weight copies; XLA merges identical dots (CSE), which once made the bf16
   # peer look 8x cheaper. Each launch now reads its own row of a stacked x: the compiled program keeps all of them,

@@ -1,0 +1,116 @@
+"""Does a bf16 dot that asks for a float32 result and is cast afterwards cost more than a bf16 dot? (one GPU)
+
+Until 5ea2f34 the bf16 base matmul (`qerl_jax.model.linear.dense_matmul`) was
+`jnp.einsum(..., preferred_element_type=float32).astype(bf16)`; the NVFP4 path's XLA dot, over its dequantized
+weight, is a plain bf16 `jnp.matmul`. Both sum in float32 and round once. If XLA's GPU pipeline does not fold the
+cast into the GEMM, the first form writes a float32 result and reads it back: 4 more bytes per output element.
+This times both forms on the 7B training shapes (rows = micro-batch 8 x 1280 positions), forward and
+forward + input gradient (the update's backward for a frozen weight), after checking each against float64
+NumPy on a row sample, and counts the entry computation's kernels in the optimized HLO.
+
+    python -m experiments.bench_dot_forms --out experiments/results/dot_forms.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.provenance import commit
+
+SHAPES = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
+FORMS = {
+  "f32_then_cast": lambda x, w: jnp.einsum("mk,kn->mn", x, w, preferred_element_type=jnp.float32).astype(x.dtype),
+  "bf16_dot": jnp.matmul,
+}
+
+
+def _programs(form):
+  """(forward, forward + input gradient) of one dot form, jitted; the weight is frozen as the model's base is."""
+  f = FORMS[form]
+
+  def fwd_bwd(x, w, dy):
+    y, vjp = jax.vjp(lambda x: f(x, w), x)
+    return y, vjp(dy)[0]
+  return jax.jit(f), jax.jit(fwd_bwd)
+
+
+def _kernels(compiled) -> int:
+  """Fusions and custom calls (cuBLAS GEMMs among them) in the entry computation: the launches one call makes."""
+  text = compiled.as_text()
+  entry = text[text.index("ENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  return len(re.findall(r"= \S+ (?:fusion|custom-call)\(", entry))
+
+
+def _median_s(fn, args, reps: int) -> float:
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def check_error(y, x, w) -> float:
+  """Largest |y - x @ w| over 8 sampled rows, in bf16 roundings: units of 2**-8 of the float64 result (plus 1e-6
+  of its largest, for outputs that cancel). One rounding of an exact sum is at most 1; a float32 sum adds ~1e-4."""
+  rows = np.linspace(0, x.shape[0] - 1, 8).astype(int)
+  ref = np.asarray(x[rows], np.float64) @ np.asarray(w, np.float64)
+  got = np.asarray(y[rows], np.float64)
+  return float((np.abs(got - ref) / (np.abs(ref) * 2.0 ** -8 + 1e-6 * np.abs(ref).max())).max())
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--shapes", default=",".join(SHAPES))
+  p.add_argument("--rows", type=int, default=10240)
+  p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--out", default="experiments/results/dot_forms.jsonl")
+  p.add_argument("--smoke", action="store_true", help="small shapes (CPU): checks the script runs; writes nothing")
+  args = p.parse_args(argv)
+  shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+  if args.smoke:
+    shapes, args.rows, args.reps = {"tiny": (64, 96)}, 40, 2
+  device = jax.devices()[0].device_kind
+  key = jax.random.key(np.random.SeedSequence().entropy % 2 ** 31)
+  records = []
+  for name, (k, n) in shapes.items():
+    kx, kw, kd = jax.random.split(jax.random.fold_in(key, k * n), 3)
+    x = jax.random.normal(kx, (args.rows, k), jnp.float32).astype(jnp.bfloat16)
+    w = (0.02 * jax.random.normal(kw, (k, n), jnp.float32)).astype(jnp.bfloat16)
+    dy = jax.random.normal(kd, (args.rows, n), jnp.float32).astype(jnp.bfloat16)
+    for form in FORMS:
+      fwd, fwd_bwd = _programs(form)
+      y, dx = fwd_bwd(x, w, dy)
+      rec = dict(shape=f"qwen2.5-7b.{name}" if name in SHAPES else name, rows=args.rows, k=k, n=n, form=form,
+                 err_roundings=round(check_error(y, x, w), 3), dx_err_roundings=round(check_error(dx, dy, w.T), 3),
+                 out_dtype=str(y.dtype), dx_dtype=str(dx.dtype),
+                 fwd_ms=round(_median_s(fwd, (x, w), args.reps) * 1e3, 3),
+                 fwd_bwd_ms=round(_median_s(fwd_bwd, (x, w, dy), args.reps) * 1e3, 3),
+                 fwd_kernels=_kernels(fwd.lower(x, w).compile()),
+                 fwd_bwd_kernels=_kernels(fwd_bwd.lower(x, w, dy).compile()), commit=commit(), device=device)
+      print(json.dumps(rec), flush=True)
+      records.append(rec)
+  if not args.smoke:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "a") as f:
+      for rec in records:
+        f.write(json.dumps(rec) + "\n")
+  print(f"\n{'shape':<22}{'form':<15}{'fwd ms':>9}{'fwd+dx ms':>11}{'kernels':>9}{'roundings':>11}")
+  for r in records:
+    print(f"{r['shape']:<22}{r['form']:<15}{r['fwd_ms']:>9.3f}{r['fwd_bwd_ms']:>11.3f}"
+          f"{r['fwd_kernels']:>5}/{r['fwd_bwd_kernels']:<3}{max(r['err_roundings'], r['dx_err_roundings']):>11.3f}")
+  return records
+
+
+if __name__ == "__main__":
+  main()
