@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import time
 
@@ -23,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.provenance import commit
+from experiments.provenance import append_records, commit
 
 SHAPES = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
 FORMS = {
@@ -101,10 +100,7 @@ def main(argv=None):
       print(json.dumps(rec), flush=True)
       records.append(rec)
   if not args.smoke:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "a") as f:
-      for rec in records:
-        f.write(json.dumps(rec) + "\n")
+    append_records(args.out, records)
   print(f"\n{'shape':<22}{'form':<15}{'fwd ms':>9}{'fwd+dx ms':>11}{'kernels':>9}{'roundings':>11}")
   for r in records:
     print(f"{r['shape']:<22}{r['form']:<15}{r['fwd_ms']:>9.3f}{r['fwd_bwd_ms']:>11.3f}"

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rollout import (QWEN25, _filler, add_per_run_flags, merged_groups, model_config,  # noqa: E402
                            refuse_per_run_flags, synthetic_base)
-from experiments.provenance import commit  # noqa: E402
+from experiments.provenance import append_records, commit  # noqa: E402
 from qerl_jax.model.config import TRAIN_ATTENTION  # noqa: E402
 
 
@@ -263,9 +263,7 @@ def main():
       rows.append(record)
       out = args.out or (None if args.smoke else DEFAULT_OUT)  # smoke numbers are not results
       if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "a") as f:
-          f.write(json.dumps(record) + "\n")
+        append_records(out, [record])
   print(f"{'model':12s} {'quant':6s} {'dev':>3s} {'step s':>8s} {'rollout':>8s} {'logprob':>8s} {'update':>8s} "
         f"{'peak GB':>8s} {'plan GB':>8s}")
   for r in rows:

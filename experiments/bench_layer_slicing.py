@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.bench_rollout import copy_bandwidth
-from experiments.provenance import commit
+from experiments.provenance import append_records, commit
 from qerl_jax import quant
 
 
@@ -133,10 +133,7 @@ def main(argv=None):
         print(json.dumps(rec), flush=True)
         rows_out.append(rec)
     del ups, downs
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "a") as f:
-    for rec in rows_out:
-      f.write(json.dumps(rec) + "\n")
+  append_records(args.out, rows_out)
   print(f"\n{'format':<7}{'rows':>5}  {'form':<9}{'us/pass':>10}{'floor us':>10}{'floor %':>9}  hlo")
   for r in rows_out:
     print(f"{r['format']:<7}{r['rows']:>5}  {r['form']:<9}{r['us_per_pass']:>10.1f}{r['floor_us']:>10.1f}"

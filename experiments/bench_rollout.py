@@ -27,7 +27,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from experiments.provenance import commit  # noqa: E402  (after the path: run as a script too)
+from experiments.provenance import append_records, commit  # noqa: E402  (after the path: run as a script too)
 
 # Qwen2.5-*-Instruct shapes (config.json of the hub models); head_dim 128, qkv bias, rope_theta 1e6.
 QWEN25 = {
@@ -340,9 +340,7 @@ def main():
       record["commit"] = commit()
       rows.append(record)
       if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "a") as f:
-          f.write(json.dumps(record) + "\n")
+        append_records(args.out, [record])
       print(f"{args.decode_layers:8s} {model:12s} {quant:8s} b{record['batch']:<3d} "
             f"{record['tokens_per_s']:9.1f} tok/s {record['ms_per_step']:7.2f} ms/step "
             f"peak {record['peak_gb']:6.1f} GB {flags}", flush=True)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.provenance import append_records
 from experiments.provenance import commit as git_commit
 from qerl_jax.model import attention as attn
 
@@ -143,9 +144,7 @@ def main(argv=None) -> list[dict]:
   if args.out:
     Path(args.out).write_text(json.dumps(records, indent=1))
   if args.record:
-    with open(Path(__file__).parent / "results" / "train_attention.jsonl", "a") as f:
-      for r in records:
-        f.write(json.dumps(r) + "\n")
+    append_records(str(Path(__file__).parent / "results" / "train_attention.jsonl"), records)
   return records
 
 

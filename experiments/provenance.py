@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -24,3 +25,12 @@ def commit() -> str:
   except (OSError, subprocess.CalledProcessError):
     return "unknown"
   return head + ("-dirty" if dirty else "")
+
+
+def append_records(path: str, records) -> None:
+  """Appends each record as one JSON line to ``path`` (folders made as needed): how every benchmark keeps its
+  results, so a later run adds to a file and never rewrites what an earlier one measured."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "a") as f:
+    for record in records:
+      f.write(json.dumps(record) + "\n")
