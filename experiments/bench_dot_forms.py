@@ -1,6 +1,6 @@
 """Does a bf16 dot that asks for a float32 result and is cast afterwards cost more than a bf16 dot? (one GPU)
 
-Until 5ea2f34 the bf16 base matmul (`qerl_jax.model.linear.dense_matmul`) was
+Until 5ea2f34 the bf16 base matmul (`qerl_jax.model.linear.base_matmul` on a dense weight) was
 `jnp.einsum(..., preferred_element_type=float32).astype(bf16)`; the NVFP4 path's XLA dot, over its dequantized
 weight, is a plain bf16 `jnp.matmul`. Both sum in float32 and round once. If XLA's GPU pipeline does not fold the
 cast into the GEMM, the first form writes a float32 result and reads it back: 4 more bytes per output element.
@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.bench_train_attention import timed
 from experiments.provenance import append_records, commit
 
 SHAPES = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
@@ -47,16 +47,6 @@ def _kernels(compiled) -> int:
   entry = text[text.index("ENTRY"):]
   entry = entry[:entry.index("\n}")]
   return len(re.findall(r"= \S+ (?:fusion|custom-call)\(", entry))
-
-
-def _median_s(fn, args, reps: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
 
 
 def check_error(y, x, w) -> float:
@@ -93,8 +83,8 @@ def main(argv=None):
       rec = dict(shape=f"qwen2.5-7b.{name}" if name in SHAPES else name, rows=args.rows, k=k, n=n, form=form,
                  err_roundings=round(check_error(y, x, w), 3), dx_err_roundings=round(check_error(dx, dy, w.T), 3),
                  out_dtype=str(y.dtype), dx_dtype=str(dx.dtype),
-                 fwd_ms=round(_median_s(fwd, (x, w), args.reps) * 1e3, 3),
-                 fwd_bwd_ms=round(_median_s(fwd_bwd, (x, w, dy), args.reps) * 1e3, 3),
+                 fwd_ms=round(timed(fwd, (x, w), args.reps) / 1e3, 3),
+                 fwd_bwd_ms=round(timed(fwd_bwd, (x, w, dy), args.reps) / 1e3, 3),
                  fwd_kernels=_kernels(fwd.lower(x, w).compile()),
                  fwd_bwd_kernels=_kernels(fwd_bwd.lower(x, w, dy).compile()), commit=commit(), device=device)
       print(json.dumps(rec), flush=True)

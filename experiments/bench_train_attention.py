@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.provenance import append_records
-from experiments.provenance import commit as git_commit
+from experiments.provenance import append_records, commit as git_commit
 from qerl_jax.model import attention as attn
 
 SHAPES = {  # name: (query heads, kv heads, head dim)

@@ -215,8 +215,7 @@ def jax_triton_run(shapes, out_path) -> list[dict]:
     scale = jnp.asarray(case["scale"].numpy())
     y = np.asarray(jax.jit(gemv_parts)(x, packed, scale), np.float64).sum(0) * DECODE_FACTOR["asm"]
     err = float(np.abs(y - case["y_ref"]).max() / np.abs(case["y_ref"]).max())
-    num_copies = max(2, -(-256 * 2 ** 20 // (n * k * 9 // 16)))  # past the 60 MB L2
-    copies = [(packed + jnp.uint8(0), scale + jnp.uint8(0)) for _ in range(num_copies)]
+    copies = [(packed + jnp.uint8(0), scale + jnp.uint8(0)) for _ in range(rotations(n * k * 9 // 16))]
 
     # The control: the shipped Pallas gemv on the same bytes in the same harness (its launches are XLA
     # fusions, which XLA's command buffers capture; a custom call's launch may not be).
@@ -234,6 +233,12 @@ def jax_triton_run(shapes, out_path) -> list[dict]:
     if out_path:
       json.dump(records, open(out_path, "w"), indent=1)
   return records
+
+
+def rotations(nbytes: int) -> int:
+  """Copies of an operand of ``nbytes`` that together pass 256 MB, so that each launch streams it from HBM (the
+  L2 is 50-60 MB)."""
+  return max(2, -(-256 * 2 ** 20 // nbytes))
 
 
 def host_program(op, calls: int):
@@ -330,7 +335,7 @@ def main(argv=None) -> int:
       continue
     # Rotate copies of the weight so that each call streams from HBM (gate|up's 76 MB alone exceeds the 60 MB L2;
     # the smaller shapes need the copies).
-    copies = max(2, -(-256 * 2 ** 20 // (case["packed"].numel() * 9 // 8)))
+    copies = rotations(case["packed"].numel() * 9 // 8)
     rot = [dict(case, packed=case["packed"].clone(), scale=case["scale"].clone()) for _ in range(copies)]
     calls = max(copies, 16)  # launches per graph, cycling through the copies
     w_bf16 = [torch.randn(n, k, dtype=torch.bfloat16, device=device) for _ in range(max(2, copies // 4))]

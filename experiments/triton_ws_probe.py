@@ -11,13 +11,14 @@ warpgroup that loads, decodes and waits on its wgmma in turn. Triton 3.6 can spl
 warp that issues TMA copies and consumer warps that decode and multiply (``tl.range(..., warp_specialize=True)``),
 but Pallas cannot ask for it, and Triton does it only for loops whose loads are tensor descriptors (TMA): with
 plain loads its pass manager failed at these tiles (an earlier, ``tl.load`` version, compiled for sm_90 on the
-CPU). This script writes the swapped tile directly in
-Triton (y^T = dequant(W) @ x^T: the decoded weight is wgmma's register operand, the rows are its N), with and
-without warp specialization, and times it beside torch's bf16 matmul on the same shape. It decides whether such a
-kernel is worth building into the model; it is not one. First GPU run (an H100, 0d5b0d8; RESULTS.md): no. The split
-loop is right only at 2 stages and there 2x slower than the unsplit one, which is itself slower than the project's
-Pallas tile. ``--jax`` launches it from JAX through the CUDA plugin's
-Triton launcher, which allocates the global scratch its device-side descriptors need (jax-triton 0.3.1 does not).
+CPU). This script writes the swapped tile directly in Triton (y^T = dequant(W) @ x^T: the decoded weight is wgmma's
+register operand, the rows are its N), with and without warp specialization, and times it beside torch's bf16
+matmul on the same shape. It decides whether such a kernel is worth building into the model; it is not one.
+``--jax`` launches it from JAX through the CUDA plugin's Triton launcher, which allocates the global scratch its
+device-side descriptors need (jax-triton 0.3.1 does not).
+
+First GPU run (an H100, 0d5b0d8; RESULTS.md): not worth it. The split loop is right only at 2 stages and there 2x
+slower than the unsplit one, which is itself slower than the project's Pallas tile.
 
 The kernel: y[m, n] = sum_k x[m, k] * dequant(W)[n, k] for M <= BLOCK_M rows of x (bf16) and W as NVFP4 (codes
 [N, K/2] uint8, two per byte, low nibble first; e4m3 scales [N, K/16]; global scale 1). The codes decode to bf16
@@ -163,7 +164,7 @@ def check(case, variant) -> float:
   y, ref = out.double().cpu().numpy(), case["y_ref"]
   err = ulps_error(y, ref)
   if err > 1.0:  # where it is wrong: which rows and columns (a pattern names the bug: one stage, one partition)
-    bad = ~(np.abs(y - ref) <= np.abs(ref) * 2.0 ** -7 + 1e-5 * np.abs(ref).max())
+    bad = ~(ulps_apart(y, ref) <= 1.0)  # (not finite counts as wrong)
     rows_bad, cols_bad = np.nonzero(bad.any(1))[0], np.nonzero(bad.any(0))[0]
     print(f"  {_name(variant)}: {bad.mean():.4f} of outputs wrong; rows {rows_bad[:8].tolist()} of {len(rows_bad)}, "
           f"columns {cols_bad[:8].tolist()}.. of {len(cols_bad)}; column blocks of 64 wrong: "
@@ -175,12 +176,12 @@ def ulps_error(y, ref) -> float:
   """The largest |y - ref| in bf16 ulps of ref (`check`); inf where y is not finite (a poisoned, unwritten tile)."""
   if not np.isfinite(y).all():
     return float("inf")
-  return float((np.abs(y - ref) / (np.abs(ref) * 2.0 ** -7 + 1e-5 * np.abs(ref).max())).max())
+  return float(ulps_apart(y, ref).max())
 
 
-def rotations(nbytes: int) -> int:
-  """Copies of an operand of ``nbytes`` that together pass 256 MB, so that each launch streams it from HBM."""
-  return max(2, -(-256 * 2 ** 20 // nbytes))
+def ulps_apart(y, ref):
+  """|y - ref| per element in bf16 ulps of ref (`check`'s unit)."""
+  return np.abs(y - ref) / (np.abs(ref) * 2.0 ** -7 + 1e-5 * np.abs(ref).max())
 
 
 def sass_report(shape: str, rows: int) -> list[dict]:
@@ -272,7 +273,7 @@ def jax_run(shapes, rows_list, out_path) -> list[dict]:
   """Each variant through `jax_tile`: checked against NumPy, then timed as one jitted program of 16 launches over
   rotated weight copies (host-timed median of 30 runs, per launch), beside XLA's bf16 dot and the project's tile
   kernel (Pallas) in the same harness: what a model launch would cost, custom call included."""
-  from triton_gemv_probe import host_us  # pylint: disable=import-outside-toplevel  # one jitted program, medians
+  from triton_gemv_probe import host_us, rotations  # pylint: disable=import-outside-toplevel  # one jitted program
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import qerl_kernels  # pylint: disable=import-outside-toplevel
@@ -345,7 +346,7 @@ def main(argv=None) -> int:
         json.dump(rows, f, indent=1)
     return 0
   import torch  # pylint: disable=import-outside-toplevel
-  from triton_gemv_probe import time_us  # pylint: disable=import-outside-toplevel  # CUDA-graph replays, medians
+  from triton_gemv_probe import rotations, time_us  # pylint: disable=import-outside-toplevel  # CUDA-graph replays
   device = "cuda" if torch.cuda.is_available() else "cpu"
   _scratch_allocator(device)
   records, failed = [], []
@@ -367,7 +368,7 @@ def main(argv=None) -> int:
         variants.append(v)
       if args.check_only or device != "cuda":
         continue
-      copies = rotations(n * k * 9 // 16)  # past the 50-60 MB L2
+      copies = rotations(n * k * 9 // 16)
       rot = [dict(case, packed=case["packed"].clone(), scale=case["scale"].clone(), scale_kn=case["scale_kn"].clone())
              for _ in range(copies)]
       calls = max(copies, 16)

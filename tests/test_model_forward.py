@@ -244,9 +244,7 @@ def test_linears_share_one_x_at_a_matmul_and_give_each_projections_numpy_output(
     ref = x64 @ f("w") + (f("b") if "b" in p else 0) + 0.5 * (x64 @ f("lora_a")) @ f("lora_b")
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-4, err_msg=f"{seed=}")
   # One x @ A for the three adapters ([.., 32] x [32, 10]), then one x @ W and one xa @ B per projection.
-  from tests.test_rollout_layers import _eqns  # (that module imports this one)
-  # (The base matmuls sit inside their custom_vjp's jaxpr.)
-  dots = [e for e in _eqns(jax.make_jaxpr(lambda x: linears(x, ps, 0.5))(x).jaxpr) if e.primitive.name == "dot_general"]
+  dots = [e for e in jax.make_jaxpr(lambda x: linears(x, ps, 0.5))(x).eqns if e.primitive.name == "dot_general"]
   shapes = sorted(tuple(e.invars[1].aval.shape) for e in dots)
   assert shapes == sorted([(32, 10), (32, 24), (32, 8), (32, 8), (4, 24), (4, 8), (2, 8)]), shapes
 

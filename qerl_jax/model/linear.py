@@ -129,19 +129,9 @@ def base_matmul(x_BxTxK: jax.Array, w: Any, **epilogue) -> jax.Array:
   w_KxN = w.astype(x_BxTxK.dtype)
   if x_BxTxK.shape[-1] != w_KxN.shape[0]:
     raise ValueError(f"x last dim {x_BxTxK.shape[-1]} != weight K {w_KxN.shape[0]} (w is [K, N]={w_KxN.shape})")
-  return dense_matmul(x_BxTxK, w_KxN)
-
-
-def dense_matmul(x_BxTxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
-  """x @ W for arrays of one dtype, as a dot in that dtype, the same dot the NVFP4 path's XLA reference runs.
-
-  XLA accumulates 16-bit dots in float32 and rounds once, on the CPU and the GPU, and JAX's transpose of such a
-  dot (dy @ W^T) is a 16-bit dot too; the base's weight gradient is never used and is dropped before XLA
-  compiles. Until 0554259 this asked for a float32 result and cast it, which made that transpose a float32 GEMM
-  over a float32 copy of every weight (bf16 7B GRPO update 9.66 -> 8.11 s on an H100 once it went, RESULTS.md
-  "At 0d5b0d8"); the custom VJP that fixed it left the forward's float32 result and cast, which the bf16 path
-  alone paid.
-  """
+  # A dot in x's dtype, as the NVFP4 path's XLA reference runs it: XLA sums 16-bit dots in float32 and rounds
+  # once, and JAX's transpose (dy @ W^T) stays 16-bit. A float32 result cast afterwards made that transpose a
+  # float32 GEMM over a float32 copy of W (RESULTS.md "At 0554259", "At 0d5b0d8" and "At 5ea2f34").
   return jnp.matmul(x_BxTxK, w_KxN)
 
 
