@@ -639,6 +639,29 @@ def test_bench_dot_forms_checks_both_forms_against_numpy():
   assert bench_dot_forms.check_error(exact * (1 + 2.0 ** -7), x, w) > 1.9  # two roundings' worth
 
 
+def test_dot_forms_kernel_count_sees_tuple_typed_gemms():
+  # A cuBLAS GEMM's custom call returns (output, workspace); the count missed those before, so the GPU's bf16 dots
+  # read as zero kernels. Lines of a GPU-shaped entry computation; parameters and tuple plumbing are not launches.
+  from experiments import bench_dot_forms
+  text = """HloModule m
+
+%fused_convert (p: f32[4,8]) -> bf16[4,8] {
+  %p = f32[4,8]{1,0} parameter(0)
+  ROOT %c = bf16[4,8]{1,0} convert(%p)
+}
+
+ENTRY %main (a: bf16[4,16], b: bf16[16,8]) -> bf16[4,8] {
+  %a = bf16[4,16]{1,0} parameter(0)
+  %b = bf16[16,8]{1,0} parameter(1)
+  %custom-call.1 = (f32[4,8]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm"
+  %get-tuple-element = f32[4,8]{1,0} get-tuple-element(%custom-call.1), index=0
+  ROOT %loop_convert_fusion = bf16[4,8]{1,0} fusion(%get-tuple-element), kind=kLoop, calls=%fused_convert
+}
+"""
+  assert bench_dot_forms._kernels(text) == 2
+  assert bench_dot_forms._kernels(text.replace("(f32[4,8]{1,0}, s8[4194304]{0})", "f32[4,8]{1,0}")) == 2
+
+
 def test_probe_launch_harness_keeps_every_launch():
   # host_us times `calls` launches over fewer weight copies; XLA merges identical dots (CSE), which once made the bf16
   # peer look 8x cheaper. Each launch now reads its own row of a stacked x: the compiled program keeps all of them,
