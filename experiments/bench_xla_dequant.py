@@ -1,0 +1,113 @@
+"""How fast is the NVFP4 XLA path's dequantization, and is its table lookup or its transpose what costs? (one GPU)
+
+From `xla_min_rows` (2048) on, and so in the whole log-prob pass and update, an NVFP4 matmul dequantizes one layer
+to bf16 and calls XLA's dot (`qerl_kernels.nvfp4_matmul_reference`). At d36bfd6 that cost 354 us over the bf16 dot
+at 7B gate|up and 8192 rows on an H200, four times the ~87 us that writing 271 MB of bf16 and reading 76 MB of
+codes and scales takes at ~4 TB/s. Two suspects in the jaxpr: the E2M1 decode is a gather from an 8-entry table,
+and the [N, K] result is transposed to [K, N] before the dot. This times, on the 7B training shapes:
+
+  "table" / "arith": the decode as the table gather (`qerl_jax.quant.e2m1.e2m1_decode`), or as integer ops that
+    build each value's float32 bits (`arith_decode` below);
+  "kn" / "nk": the dot over the transposed [K, N] weight (`jnp.matmul`, as shipped), or over [N, K] directly;
+
+each form's dequantization alone, and the bf16 dot over an already-bf16 weight as the floor. Every form is
+checked first: its dequantized weight bit for bit against the shipped one, its product within one bf16 rounding
+of float64 on sampled rows.
+
+    python -m experiments.bench_xla_dequant --out experiments/results/xla_dequant.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.bench_dot_forms import check_error
+from experiments.bench_train_attention import timed
+from experiments.provenance import append_records, commit
+from qerl_jax import quant
+from qerl_jax.quant import e2m1, nvfp4
+
+SHAPES = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
+
+
+def arith_decode(codes: jax.Array) -> jax.Array:
+  """float32 value of each E2M1 code from integer ops, no table. Magnitude code c = 2e + m: for e > 0 the bits
+  (c << 22) + (126 << 23) are exponent e + 126 and mantissa m, i.e. 2**(e-1) * (1 + m/2); c = 1 is 0.5 (bits
+  126 << 23) and c = 0 is 0; the code's sign bit goes to bit 31 (code 8 is -0.0, as in the table)."""
+  c = codes.astype(jnp.uint32)
+  mag = c & 7
+  bits = jnp.where(mag >= 2, (mag << 22) + (126 << 23), mag * (126 << 23)) | ((c & 8) << 28)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def dequantize_NxK(q, decode, dtype=jnp.bfloat16) -> jax.Array:
+  """`qerl_jax.quant.nvfp4.dequantize_NxK` with the decode as a parameter."""
+  codes = e2m1.unpack_low_first(q.packed_NxKh)
+  n, k = codes.shape
+  vals = decode(codes).reshape(n, k // nvfp4.NVFP4_BLOCK, nvfp4.NVFP4_BLOCK)
+  eff = nvfp4.effective_scale(q.scale_NxKb, q.global_scale)[:, :, None]
+  return (vals * eff).reshape(n, k).astype(dtype)
+
+
+DECODES = {"table": e2m1.e2m1_decode, "arith": arith_decode}
+LAYOUTS = {"kn": lambda x, w_NxK: jnp.matmul(x, w_NxK.T), "nk": lambda x, w_NxK: jnp.einsum("mk,nk->mn", x, w_NxK)}
+
+
+def main(argv=None) -> list[dict]:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--shapes", default=",".join(SHAPES))
+  p.add_argument("--rows", type=int, default=10240, help="rows per call (the update's micro-batch x 1280 slots)")
+  p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--out", default="experiments/results/xla_dequant.jsonl")
+  p.add_argument("--smoke", action="store_true", help="small shapes (CPU): checks the script runs; writes nothing")
+  args = p.parse_args(argv)
+  shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+  if args.smoke:
+    shapes, args.rows, args.reps = {"tiny": (64, 96)}, 40, 2
+  device = jax.devices()[0].device_kind
+  key = jax.random.key(np.random.SeedSequence().entropy % 2 ** 31)
+  records = []
+  for name, (k, n) in shapes.items():
+    kx, kw = jax.random.split(jax.random.fold_in(key, k * n))
+    x = jax.random.normal(kx, (args.rows, k), jnp.float32).astype(jnp.bfloat16)
+    q = quant.quantize(0.02 * jax.random.normal(kw, (k, n), jnp.float32), "nvfp4")
+    shipped = jax.jit(lambda q: nvfp4.dequantize_NxK(q, jnp.bfloat16))(q)
+    w_bf16 = jnp.asarray(shipped.T)
+    moved = q.packed_NxKh.size + q.scale_NxKb.size + 2 * shipped.size  # bytes: codes, scales in; bf16 out
+    base = dict(shape=f"qwen2.5-7b.{name}" if name in SHAPES else name, rows=args.rows, k=k, n=n, commit=commit(),
+                device=device)
+    bf16_us = timed(jax.jit(jnp.matmul), (x, w_bf16), args.reps)
+    records.append(dict(base, form="bf16_weight", us=round(bf16_us, 1)))
+    for dname, decode in DECODES.items():
+      deq = jax.jit(lambda q, decode=decode: dequantize_NxK(q, decode))
+      got = deq(q)
+      if not np.array_equal(np.asarray(got).view(np.uint16), np.asarray(shipped).view(np.uint16)):
+        raise SystemExit(f"{name}: the {dname} decode's weight differs from the shipped dequantization")
+      deq_us = timed(deq, (q,), args.reps)
+      records.append(dict(base, form=f"{dname}_dequant_only", us=round(deq_us, 1),
+                          gb_per_s=round(moved / deq_us / 1e3, 1)))
+      for lname, dot in LAYOUTS.items():
+        f = jax.jit(lambda x, q, decode=decode, dot=dot: dot(x, dequantize_NxK(q, decode)))
+        err = check_error(f(x, q), x, w_bf16)
+        if err > 1.01:
+          raise SystemExit(f"{name}: {dname}_{lname} is {err:.2f} bf16 roundings from float64")
+        us = timed(f, (x, q), args.reps)
+        records.append(dict(base, form=f"{dname}_{lname}", us=round(us, 1), over_bf16_us=round(us - bf16_us, 1),
+                            err_roundings=round(err, 3)))
+    for r in records[-7:]:
+      print(json.dumps(r), flush=True)
+  if not args.smoke:
+    append_records(args.out, records)
+  print(f"\n{'shape':<22}{'form':<22}{'us':>10}{'over bf16':>11}{'GB/s':>8}")
+  for r in records:
+    print(f"{r['shape']:<22}{r['form']:<22}{r['us']:>10.1f}{r.get('over_bf16_us', ''):>11}{r.get('gb_per_s', ''):>8}")
+  return records
+
+
+if __name__ == "__main__":
+  main()
