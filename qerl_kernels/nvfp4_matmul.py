@@ -66,9 +66,18 @@ def is_stacked(q: NVFP4Tensor | Nvfp4Group) -> bool:
   return (q.members[0] if isinstance(q, Nvfp4Group) else q).packed_NxKh.ndim == 3
 
 
+def dot_dequantized(x: jax.Array, q: NVFP4Tensor | Nvfp4Group, **dot_kwargs) -> jax.Array:
+  """x [..., K] @ the dequantized weight, in x's dtype; one layer is dotted in its stored [N, K] layout."""
+  if is_stacked(q):
+    return jnp.matmul(x, dequantize(q, x.dtype), **dot_kwargs)
+  members = q.members if isinstance(q, Nvfp4Group) else (q,)
+  w_NxK = jnp.concatenate([quant.dequantize_NxK(m, x.dtype) for m in members], axis=0)
+  return jnp.einsum("...k,nk->...n", x, w_NxK, **dot_kwargs)
+
+
 def nvfp4_matmul_reference(x: jax.Array, q: NVFP4Tensor | Nvfp4Group) -> jax.Array:
   """The XLA reference: dequantize to x's dtype, then a plain dot. x [..., K] -> [..., N]."""
-  return jnp.matmul(x, dequantize(q, x.dtype))
+  return dot_dequantized(x, q)
 
 
 def check_shapes(x_shape, x_dtype, q: NVFP4Tensor | Nvfp4Group, layer=None) -> tuple[int, int]:
@@ -244,7 +253,7 @@ def _reference_with_epilogue(x_MxK, q, xa_MxR, b_RxN, bias_N, lora_scale):
   """The XLA path with the kernels' epilogue: float32 sum of the three terms, rounded once."""
   if xa_MxR is None and bias_N is None:
     return nvfp4_matmul_reference(x_MxK, q)
-  y = jnp.matmul(x_MxK, dequantize(q, x_MxK.dtype), preferred_element_type=jnp.float32)
+  y = dot_dequantized(x_MxK, q, preferred_element_type=jnp.float32)
   return nvfp4_epilogue.add_in_xla(y, xa_MxR, b_RxN, bias_N, lora_scale).astype(x_MxK.dtype)
 
 

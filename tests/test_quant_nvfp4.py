@@ -86,6 +86,16 @@ def test_doc_vector_full_grid():
   assert np.signbit(deq[8])  # code 0x8 decodes to -0.0
 
 
+def test_e2m1_decode_is_ml_dtypes_float4_on_every_code():
+  # The decode builds float32 bits from integer ops (no table); ml_dtypes' float4_e2m1fn is an independent reading
+  # of the OCP format. Bit equality, so -0.0 for code 8 counts too.
+  from qerl_jax.quant import e2m1
+  codes = np.arange(16, dtype=np.uint8)
+  want = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+  got = np.asarray(jax.jit(e2m1.e2m1_decode)(jnp.asarray(codes)))
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_doc_vector_signs_of_zero():
   w = jnp.asarray([[-0.1, 0.1, -0.0, 0.0, 1, -1, .5, -.5, 6, -6, 2.9, -2.9, .3, -.3, 4.4, -4.4]],
                   jnp.bfloat16)
