@@ -59,19 +59,24 @@ def check_error(y, x, w) -> float:
   return float((np.abs(got - ref) / (np.abs(ref) * 2.0 ** -8 + 1e-6 * np.abs(ref).max())).max())
 
 
-def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def training_shapes_cli(doc: str, out: str, argv=None):
+  """(args, {name: (K, N)}, a fresh key) for a bench over the 7B training shapes; --smoke: one tiny shape, 2 reps."""
+  p = argparse.ArgumentParser(description=doc.split("\n")[0])
   p.add_argument("--shapes", default=",".join(SHAPES))
-  p.add_argument("--rows", type=int, default=10240)
+  p.add_argument("--rows", type=int, default=10240, help="rows per call (the update's micro-batch x 1280 slots)")
   p.add_argument("--reps", type=int, default=20)
-  p.add_argument("--out", default="experiments/results/dot_forms.jsonl")
+  p.add_argument("--out", default=out)
   p.add_argument("--smoke", action="store_true", help="small shapes (CPU): checks the script runs; writes nothing")
   args = p.parse_args(argv)
   shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
   if args.smoke:
     shapes, args.rows, args.reps = {"tiny": (64, 96)}, 40, 2
+  return args, shapes, jax.random.key(np.random.SeedSequence().entropy % 2 ** 31)
+
+
+def main(argv=None):
+  args, shapes, key = training_shapes_cli(__doc__, "experiments/results/dot_forms.jsonl", argv)
   device = jax.devices()[0].device_kind
-  key = jax.random.key(np.random.SeedSequence().entropy % 2 ** 31)
   records = []
   for name, (k, n) in shapes.items():
     kx, kw, kd = jax.random.split(jax.random.fold_in(key, k * n), 3)

@@ -19,21 +19,17 @@ of float64 on sampled rows.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench_dot_forms import check_error
+from experiments.bench_dot_forms import SHAPES, check_error, training_shapes_cli
 from experiments.bench_train_attention import timed
 from experiments.provenance import append_records, commit
 from qerl_jax import quant
 from qerl_jax.quant import e2m1, nvfp4
-
-SHAPES = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
-
 
 def table_decode(codes: jax.Array) -> jax.Array:
   """float32 value of each E2M1 code by a gather from the 8 magnitudes, then the sign."""
@@ -55,18 +51,8 @@ LAYOUTS = {"kn": lambda x, w_NxK: jnp.matmul(x, w_NxK.T), "nk": lambda x, w_NxK:
 
 
 def main(argv=None) -> list[dict]:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--shapes", default=",".join(SHAPES))
-  p.add_argument("--rows", type=int, default=10240, help="rows per call (the update's micro-batch x 1280 slots)")
-  p.add_argument("--reps", type=int, default=20)
-  p.add_argument("--out", default="experiments/results/xla_dequant.jsonl")
-  p.add_argument("--smoke", action="store_true", help="small shapes (CPU): checks the script runs; writes nothing")
-  args = p.parse_args(argv)
-  shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
-  if args.smoke:
-    shapes, args.rows, args.reps = {"tiny": (64, 96)}, 40, 2
+  args, shapes, key = training_shapes_cli(__doc__, "experiments/results/xla_dequant.jsonl", argv)
   device = jax.devices()[0].device_kind
-  key = jax.random.key(np.random.SeedSequence().entropy % 2 ** 31)
   records = []
   for name, (k, n) in shapes.items():
     kx, kw = jax.random.split(jax.random.fold_in(key, k * n))
