@@ -51,12 +51,17 @@ def _kernels(text: str) -> int:
 
 
 def check_error(y, x, w) -> float:
-  """Largest |y - x @ w| over 8 sampled rows, in bf16 roundings: units of 2**-8 of the float64 result (plus 1e-6
-  of its largest, for outputs that cancel). One rounding of an exact sum is at most 1; a float32 sum adds ~1e-4."""
+  """Largest |y - x @ w| over 8 sampled rows, in units of what a float32 sum rounded once to bf16 may be off by:
+  2**-8 |x @ w| (the rounding) plus sqrt(K) 2**-24 (|x| @ |w|) (the float32 sum's roundings as a random walk; the
+  worst case, K instead of sqrt(K), needs every rounding to err the same way), both from float64. A 16-bit dot that
+  sums in float32 reads at most 1; one that keeps its running sum in bf16 reads ~2**15 / sqrt(K) times more.
+  (Before 2026-12-07 the second term was 1e-6 of the largest output: long sums over outputs that cancel then read
+  as 4-9 "roundings" on the GPU, `results/dot_forms.jsonl` at 8fccad6.)"""
   rows = np.linspace(0, x.shape[0] - 1, 8).astype(int)
-  ref = np.asarray(x[rows], np.float64) @ np.asarray(w, np.float64)
-  got = np.asarray(y[rows], np.float64)
-  return float((np.abs(got - ref) / (np.abs(ref) * 2.0 ** -8 + 1e-6 * np.abs(ref).max())).max())
+  x64, w64 = np.asarray(x[rows], np.float64), np.asarray(w, np.float64)
+  ref = x64 @ w64
+  bound = np.abs(ref) * 2.0 ** -8 + np.sqrt(x64.shape[-1]) * 2.0 ** -24 * (np.abs(x64) @ np.abs(w64))
+  return float((np.abs(np.asarray(y[rows], np.float64) - ref) / bound).max())
 
 
 def training_shapes_cli(doc: str, out: str, argv=None):

@@ -639,6 +639,26 @@ def test_bench_dot_forms_checks_both_forms_against_numpy():
   assert bench_dot_forms.check_error(exact * (1 + 2.0 ** -7), x, w) > 1.9  # two roundings' worth
 
 
+def test_dot_forms_error_bound_passes_float32_sums_and_catches_bf16_sums():
+  # Long sums whose outputs nearly cancel: a float32 sum rounded once to bf16 must read <= 1 however small the output,
+  # and a running sum kept in bf16 (the fault the check is there for) must read far above it.
+  import ml_dtypes
+  import numpy as np
+  from experiments import bench_dot_forms
+  rng = np.random.default_rng()
+  bf16 = ml_dtypes.bfloat16
+  x = rng.standard_normal((8, 4096)).astype(bf16)
+  w = (0.02 * rng.standard_normal((4096, 6))).astype(bf16)
+  w[:, 0] = -w[:, 1] * (1 + 2.0 ** -7)  # outputs 0 and 1 cancel to ~1% of their terms' size
+  x32, w32 = x.astype(np.float32), w.astype(np.float32)
+  y32 = (x32 @ w32).astype(bf16)
+  assert bench_dot_forms.check_error(y32, x, w) <= 1.0
+  acc = np.zeros((8, 6), bf16)
+  for i in range(x.shape[1]):
+    acc = (acc.astype(np.float32) + np.outer(x32[:, i], w32[i]).astype(np.float32)).astype(bf16)
+  assert bench_dot_forms.check_error(acc, x, w) > 10
+
+
 def test_dot_forms_kernel_count_sees_tuple_typed_gemms():
   # A cuBLAS GEMM's custom call returns (output, workspace); the count missed those before, so the GPU's bf16 dots
   # read as zero kernels. Lines of a GPU-shaped entry computation; parameters and tuple plumbing are not launches.
