@@ -11,8 +11,8 @@ and the [N, K] result is transposed to [K, N] before the dot. This times, on the
   "kn" / "nk": the dot over the transposed [K, N] weight (`jnp.matmul`, shipped until then) or over [N, K];
 
 each form's dequantization alone, and the bf16 dot over an already-bf16 weight as the floor. Every form is
-checked first: its dequantized weight bit for bit against the shipped one, its product within one bf16 rounding
-of float64 on sampled rows.
+checked first: its dequantized weight bit for bit against the shipped one, its product against float64 on sampled
+rows within one bf16 rounding of a float32 sum (`bench_dot_forms.check_error`).
 
     python -m experiments.bench_xla_dequant --out experiments/results/xla_dequant.jsonl
 """
@@ -30,6 +30,7 @@ from experiments.bench_train_attention import timed
 from experiments.provenance import append_records, commit
 from qerl_jax import quant
 from qerl_jax.quant import e2m1, nvfp4
+
 
 def table_decode(codes: jax.Array) -> jax.Array:
   """float32 value of each E2M1 code by a gather from the 8 magnitudes, then the sign."""

@@ -67,7 +67,8 @@ def is_stacked(q: NVFP4Tensor | Nvfp4Group) -> bool:
 
 
 def dot_dequantized(x: jax.Array, q: NVFP4Tensor | Nvfp4Group, **dot_kwargs) -> jax.Array:
-  """x [..., K] @ the dequantized weight, in x's dtype; one layer is dotted in its stored [N, K] layout."""
+  """x [..., K] @ the dequantized weight, in x's dtype. One layer is dotted in its stored [N, K] layout: the GEMM
+  reads either operand order, so no transpose of the dequantized weight is asked of XLA."""
   if is_stacked(q):
     return jnp.matmul(x, dequantize(q, x.dtype), **dot_kwargs)
   members = q.members if isinstance(q, Nvfp4Group) else (q,)
