@@ -38,15 +38,6 @@ def table_decode(codes: jax.Array) -> jax.Array:
   return jnp.where((codes & 8) != 0, -mag, mag)
 
 
-def dequantize_NxK(q, decode, dtype=jnp.bfloat16) -> jax.Array:
-  """`qerl_jax.quant.nvfp4.dequantize_NxK` with the decode as a parameter."""
-  codes = e2m1.unpack_low_first(q.packed_NxKh)
-  n, k = codes.shape
-  vals = decode(codes).reshape(n, k // nvfp4.NVFP4_BLOCK, nvfp4.NVFP4_BLOCK)
-  eff = nvfp4.effective_scale(q.scale_NxKb, q.global_scale)[:, :, None]
-  return (vals * eff).reshape(n, k).astype(dtype)
-
-
 DECODES = {"table": table_decode, "arith": e2m1.e2m1_decode}
 LAYOUTS = {"kn": lambda x, w_NxK: jnp.matmul(x, w_NxK.T), "nk": lambda x, w_NxK: jnp.einsum("mk,nk->mn", x, w_NxK)}
 
@@ -67,7 +58,7 @@ def main(argv=None) -> list[dict]:
     bf16_us = timed(jax.jit(jnp.matmul), (x, w_bf16), args.reps)
     records.append(dict(base, form="bf16_weight", us=round(bf16_us, 1)))
     for dname, decode in DECODES.items():
-      deq = jax.jit(lambda q, decode=decode: dequantize_NxK(q, decode))
+      deq = jax.jit(lambda q, decode=decode: nvfp4.dequantize_NxK(q, decode=decode))
       got = deq(q)
       if not np.array_equal(np.asarray(got).view(np.uint16), np.asarray(shipped).view(np.uint16)):
         raise SystemExit(f"{name}: the {dname} decode's weight differs from the shipped dequantization")
@@ -75,7 +66,7 @@ def main(argv=None) -> list[dict]:
       records.append(dict(base, form=f"{dname}_dequant_only", us=round(deq_us, 1),
                           gb_per_s=round(moved / deq_us / 1e3, 1)))
       for lname, dot in LAYOUTS.items():
-        f = jax.jit(lambda x, q, decode=decode, dot=dot: dot(x, dequantize_NxK(q, decode)))
+        f = jax.jit(lambda x, q, decode=decode, dot=dot: dot(x, nvfp4.dequantize_NxK(q, decode=decode)))
         err = check_error(f(x, q), x, w_bf16)
         if err > 1.01:
           raise SystemExit(f"{name}: {dname}_{lname} is {err:.2f} bf16 roundings from float64")

@@ -140,11 +140,23 @@ def compile_sm90(ttir_path: str, num_warps: int, num_stages: int) -> dict[str, s
   cubin = os.path.splitext(ttir_path)[0] + ".cubin"
   with open(cubin, "wb") as f:
     f.write(kernel.asm["cubin"])
-  cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-  sass = subprocess.run([cuobjdump, "-sass", cubin], check=True, capture_output=True, text=True).stdout
-  usage = subprocess.run([cuobjdump, "-res-usage", cubin], check=True, capture_output=True, text=True).stdout
+  sass, registers = cuobjdump(cubin)
   return {"ttgir": kernel.asm["ttgir"], "ptx": kernel.asm["ptx"], "sass": sass,
-          "shared_bytes": kernel.metadata.shared, "registers": int(re.search(r"REG:(\d+)", usage).group(1))}
+          "shared_bytes": kernel.metadata.shared, "registers": registers}
+
+
+def cuobjdump(cubin_path: str) -> tuple[str, int]:
+  """(SASS text, registers per thread) of a cubin, through the cuobjdump that the pip Triton ships."""
+  import triton  # pylint: disable=import-outside-toplevel
+  tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+  sass = subprocess.run([tool, "-sass", cubin_path], check=True, capture_output=True, text=True).stdout
+  usage = subprocess.run([tool, "-res-usage", cubin_path], check=True, capture_output=True, text=True).stdout
+  return sass, int(re.search(r"REG:(\d+)", usage).group(1))
+
+
+def opcode_counts(sass: str) -> collections.Counter:
+  """How often each opcode (without its suffixes) occurs in a SASS listing."""
+  return collections.Counter(m.group(3) for m in _INSTR.finditer(sass))
 
 
 def make_ttir(ttir_path: str, target, options: dict) -> str:

@@ -113,20 +113,26 @@ if triton is not None:
                 ASM)
 
 
-def make_case(k: int, n: int, device, seed: int = 0):
-  """Random NVFP4 codes and scales (every code, finite e4m3 scales in [2**-4, 2**4)), a bf16 row and the float64
-  reference y: the project's dequantization of the same bytes (exact in float32), times x in float64."""
+def random_nvfp4(k: int, n: int, seed: int = 0):
+  """Random NVFP4 bytes for a [N, K] weight: codes [N, K/2] (every code) and e4m3 scale bytes [N, K/16] (finite,
+  positive, in [2**-4, 2**4)), with the float64 weight they stand for by the project's dequantization (exact in
+  float32). Both probes' cases start here."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import torch  # pylint: disable=import-outside-toplevel
   from qerl_jax.quant import dequantize_NxK  # pylint: disable=import-outside-toplevel
   from qerl_jax.quant.types import NVFP4Tensor  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(seed)
   packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
   # e4m3 bits with exponent field 3..10 (2**-4 .. 2**3) and any mantissa, positive
   scale_bits = (rng.integers(3, 11, (n, k // 16)) << 3 | rng.integers(0, 8, (n, k // 16))).astype(np.uint8)
-  x = torch.randn(k, dtype=torch.float32).to(torch.bfloat16)
   q = NVFP4Tensor(jnp.asarray(packed), jnp.asarray(scale_bits).view(jnp.float8_e4m3fn), jnp.ones((1,), jnp.float32))
-  w = np.asarray(dequantize_NxK(q, jnp.float32), np.float64)
+  return packed, scale_bits, np.asarray(dequantize_NxK(q, jnp.float32), np.float64)
+
+
+def make_case(k: int, n: int, device, seed: int = 0):
+  """`random_nvfp4`'s weight, a bf16 row and the float64 reference y = W x."""
+  import torch  # pylint: disable=import-outside-toplevel
+  packed, scale_bits, w = random_nvfp4(k, n, seed)
+  x = torch.randn(k, dtype=torch.float32).to(torch.bfloat16)
   y = w @ x.float().numpy().astype(np.float64)
   t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
   return dict(x=x.to(device), packed=t(packed), scale=t(scale_bits), y_ref=y)
@@ -255,18 +261,9 @@ def host_us(op, x, operands, calls: int = 16, runs: int = 30) -> float:
   Each launch reads its own copy of x (x_j, a slice of a stacked input): with fewer weight copies than calls, XLA
   merges launches whose operands are all the same (CSE; a 16-dot program over 2 copies compiles to 2 dots), which
   made the bf16 dot look 8x cheaper in the warp-specialization probe's first GPU run."""
-  import time  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  run = host_program(op, calls)
-  xs = jnp.stack([x] * calls)
-  jax.block_until_ready(run(xs, operands))
-  times = []
-  for _ in range(runs):
-    t0 = time.perf_counter()
-    jax.block_until_ready(run(xs, operands))
-    times.append((time.perf_counter() - t0) * 1e6 / calls)
-  return statistics.median(times)
+  from experiments.bench_train_attention import timed  # pylint: disable=import-outside-toplevel
+  return timed(host_program(op, calls), (jnp.stack([x] * calls), operands), runs) / calls
 
 
 def time_us(fns, replays: int = 30) -> float:

@@ -29,11 +29,9 @@ in bf16 (exact: 2 x 4 significant bits), one tl.dot per step accumulating float3
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
@@ -120,18 +118,11 @@ def _name(v) -> str:
 
 
 def make_case(rows: int, k: int, n: int, device, seed: int = 0):
-  """Random NVFP4 codes and scales (every code; e4m3 scales in [2**-4, 2**4)), bf16 rows, and the float64 reference
-  from the project's own dequantization of the same bytes."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  """The gemv probe's random NVFP4 weight (`triton_gemv_probe.random_nvfp4`), bf16 rows, and the float64 reference."""
   import torch  # pylint: disable=import-outside-toplevel
-  from qerl_jax.quant import dequantize_NxK  # pylint: disable=import-outside-toplevel
-  from qerl_jax.quant.types import NVFP4Tensor  # pylint: disable=import-outside-toplevel
-  rng = np.random.default_rng(seed)
-  packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
-  scale_bits = (rng.integers(3, 11, (n, k // 16)) << 3 | rng.integers(0, 8, (n, k // 16))).astype(np.uint8)
+  from triton_gemv_probe import random_nvfp4  # pylint: disable=import-outside-toplevel
+  packed, scale_bits, w = random_nvfp4(k, n, seed)
   x = torch.randn(rows, k, dtype=torch.float32).to(torch.bfloat16)
-  q = NVFP4Tensor(jnp.asarray(packed), jnp.asarray(scale_bits).view(jnp.float8_e4m3fn), jnp.ones((1,), jnp.float32))
-  w = np.asarray(dequantize_NxK(q, jnp.float32), np.float64)
   t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
   return dict(x=x.to(device), packed=t(packed), scale=t(scale_bits), scale_kn=t(scale_bits.T), w=w,
               y_ref=x.double().numpy() @ w.T)
@@ -187,6 +178,7 @@ def ulps_apart(y, ref):
 def sass_report(shape: str, rows: int) -> list[dict]:
   """Compile each variant for sm_90 without a GPU: whether the loop was split into partitions, registers, shared
   memory and the SASS's opcode counts (the whole kernel; the loop is not isolated)."""
+  from experiments import kernel_sass  # pylint: disable=import-outside-toplevel
   k, _ = SHAPES[shape]
   out = []
   for v in VARIANTS:
@@ -198,19 +190,16 @@ def sass_report(shape: str, rows: int) -> list[dict]:
       print(f"{shape} rows {rows} {v}: FAILED {row['failed']}")
       out.append(row)
       continue
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     cubin = f"/tmp/triton_ws_probe_{os.getpid()}.cubin"
     with open(cubin, "wb") as f:
       f.write(compiled.asm["cubin"])
-    sass = subprocess.run([tool, "-sass", cubin], check=True, capture_output=True, text=True).stdout
-    usage = subprocess.run([tool, "-res-usage", cubin], check=True, capture_output=True, text=True).stdout
+    sass, registers = kernel_sass.cuobjdump(cubin)
     os.remove(cubin)
-    ops = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass, re.M))
     ptx = compiled.asm["ptx"]
     row.update(partitions="ttg.warp_specialize" in compiled.asm["ttgir"], shared=compiled.metadata.shared,
-               registers=int(re.search(r"REG:(\d+)", usage).group(1)),
-               wgmma_register_a=bool(re.search(r"wgmma\.mma_async[^;]*\}, \{%r", ptx)),
-               tma_loads=ptx.count("cp.async.bulk.tensor"), opcodes=dict(ops.most_common(12)))
+               registers=registers, wgmma_register_a=bool(re.search(r"wgmma\.mma_async[^;]*\}, \{%r", ptx)),
+               tma_loads=ptx.count("cp.async.bulk.tensor"),
+               opcodes=dict(kernel_sass.opcode_counts(sass).most_common(12)))
     print(f"{shape} rows {rows} {_name(v)}: partitions {row['partitions']}, {row['registers']} registers, "
           f"{row['shared']} B shared, TMA loads {row['tma_loads']}, "
           f"wgmma A in registers {row['wgmma_register_a']}")

@@ -66,19 +66,15 @@ def is_stacked(q: NVFP4Tensor | Nvfp4Group) -> bool:
   return (q.members[0] if isinstance(q, Nvfp4Group) else q).packed_NxKh.ndim == 3
 
 
-def dot_dequantized(x: jax.Array, q: NVFP4Tensor | Nvfp4Group, **dot_kwargs) -> jax.Array:
-  """x [..., K] @ the dequantized weight, in x's dtype. One layer is dotted in its stored [N, K] layout: the GEMM
-  reads either operand order, so no transpose of the dequantized weight is asked of XLA."""
+def nvfp4_matmul_reference(x: jax.Array, q: NVFP4Tensor | Nvfp4Group, **dot_kwargs) -> jax.Array:
+  """The XLA reference: dequantize to x's dtype, then a plain dot. x [..., K] -> [..., N]. One layer is dotted in
+  its stored [N, K] layout: the GEMM reads either operand order, so no transpose of the dequantized weight is asked
+  of XLA. ``dot_kwargs``: e.g. preferred_element_type, for the epilogue's float32 sum."""
   if is_stacked(q):
     return jnp.matmul(x, dequantize(q, x.dtype), **dot_kwargs)
   members = q.members if isinstance(q, Nvfp4Group) else (q,)
   w_NxK = jnp.concatenate([quant.dequantize_NxK(m, x.dtype) for m in members], axis=0)
   return jnp.einsum("...k,nk->...n", x, w_NxK, **dot_kwargs)
-
-
-def nvfp4_matmul_reference(x: jax.Array, q: NVFP4Tensor | Nvfp4Group) -> jax.Array:
-  """The XLA reference: dequantize to x's dtype, then a plain dot. x [..., K] -> [..., N]."""
-  return dot_dequantized(x, q)
 
 
 def check_shapes(x_shape, x_dtype, q: NVFP4Tensor | Nvfp4Group, layer=None) -> tuple[int, int]:
@@ -254,7 +250,7 @@ def _reference_with_epilogue(x_MxK, q, xa_MxR, b_RxN, bias_N, lora_scale):
   """The XLA path with the kernels' epilogue: float32 sum of the three terms, rounded once."""
   if xa_MxR is None and bias_N is None:
     return nvfp4_matmul_reference(x_MxK, q)
-  y = dot_dequantized(x_MxK, q, preferred_element_type=jnp.float32)
+  y = nvfp4_matmul_reference(x_MxK, q, preferred_element_type=jnp.float32)
   return nvfp4_epilogue.add_in_xla(y, xa_MxR, b_RxN, bias_N, lora_scale).astype(x_MxK.dtype)
 
 

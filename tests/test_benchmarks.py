@@ -343,6 +343,7 @@ def test_kernel_sass_lowers_the_tuned_kernel_and_reads_its_loop():
   opcodes, classes, length = kernel_sass.loop_mix(sass)
   assert length == 4 and opcodes == {"LDG.E.U8": 1, "LOP3.LUT": 1, "HGMMA.64x16x16.F32.BF16": 1, "BRA": 1}
   assert classes["global load (sync)"] == 1 and classes["tensor core"] == 1 and classes["integer"] == 1
+  assert kernel_sass.opcode_counts(sass) == {"MOV": 1, "LDG": 1, "LOP3": 1, "HGMMA": 1, "BRA": 2, "EXIT": 1}
 
 
 def test_kernel_sass_lowers_a_group_with_a_branch_per_member():
@@ -622,8 +623,9 @@ def test_triton_ws_probe_matches_numpy_and_splits_only_when_asked():
 
 
 def test_bench_dot_forms_checks_both_forms_against_numpy():
-  # Both dot forms give bf16 outputs and input gradients within one bf16 rounding of float64 on fresh inputs (a form
-  # that summed in bf16 would not), and every record carries its timings and kernel counts.
+  # Both dot forms give bf16 outputs and input gradients within one bf16 rounding of a float32 sum of float64 inputs
+  # on fresh inputs (`check_error`; a form that summed in bf16 would not), and every record carries its timings and
+  # kernel counts.
   import numpy as np
   from experiments import bench_dot_forms
   records = bench_dot_forms.main(["--smoke"])
@@ -727,10 +729,12 @@ def test_bench_xla_dequant_forms_agree_with_the_shipped_dequantization():
   assert [r["form"] for r in records] == ["bf16_weight", "table_dequant_only", "table_kn", "table_nk",
                                           "arith_dequant_only", "arith_kn", "arith_nk"]
   for r in records:
-    assert r["us"] > 0 and 0.05 < r.get("err_roundings", 0.5) <= 1.01, r
+    assert r["us"] > 0, r
+    if r["form"].endswith(("_kn", "_nk")):  # the products (the other records time a weight or a dequantization)
+      assert 0.05 < r["err_roundings"] <= 1.01, r
   import jax.numpy as jnp
-  codes = jnp.arange(16, dtype=jnp.uint8)
   from qerl_jax.quant import e2m1
+  codes = jnp.arange(16, dtype=jnp.uint8)
   got = np.asarray(e2m1.e2m1_decode(codes))
   np.testing.assert_array_equal(got.view(np.uint32), np.asarray(bench_xla_dequant.table_decode(codes)).view(np.uint32))
   np.testing.assert_array_equal(got[:8], [0, 0.5, 1, 1.5, 2, 3, 4, 6])

@@ -99,11 +99,12 @@ def quantize_NxK(w_NxK: jax.Array, gs: jax.Array | None = None) -> NVFP4Tensor:
   return NVFP4Tensor(packed_NxKh=e2m1.pack_low_first(codes), scale_NxKb=scale, global_scale=gs)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype",))
-def dequantize_NxK(q: NVFP4Tensor, dtype=jnp.bfloat16) -> jax.Array:
-  """[N, K] weight in ``dtype``: dtype(float32(E2M1[code]) * (float32(scale) / gs))."""
+@functools.partial(jax.jit, static_argnames=("dtype", "decode"))
+def dequantize_NxK(q: NVFP4Tensor, dtype=jnp.bfloat16, decode=e2m1.e2m1_decode) -> jax.Array:
+  """[N, K] weight in ``dtype``: dtype(float32(E2M1[code]) * (float32(scale) / gs)). ``decode``: codes -> float32
+  values (`experiments/bench_xla_dequant.py` times another form of it)."""
   codes = e2m1.unpack_low_first(q.packed_NxKh)
   n, k = codes.shape
-  vals = e2m1.e2m1_decode(codes).reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
+  vals = decode(codes).reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
   eff = effective_scale(q.scale_NxKb, q.global_scale)[:, :, None]
   return (vals * eff).reshape(n, k).astype(dtype)
