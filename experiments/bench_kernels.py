@@ -336,23 +336,47 @@ def bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw, dtype=jnp.bfloat1
 
 
 def bench_xla(direction, k, n, rows, key, bf16_cache, bw, dtype=jnp.bfloat16):
-  """Times the XLA path (dequantize the weight to bf16, then XLA's dot) on the same shape; returns a record.
+  """Checks and times the shipped XLA path (`nvfp4_matmul(..., implementation="xla")`: dequantize one weight to
+  bf16, then XLA's dot) on the same shape; returns a record.
 
   At thousands of rows the dot is compute-bound and the dequantization (one pass over the weight) is small
-  next to it, so this path may beat a fused kernel there; `--xla` measures where. The backward is what
-  autodiff of the forward gives: dy @ dequant(W)^T.
+  next to it, so this path may beat a fused kernel there; `--xla` measures where. The backward is what the
+  model's autodiff gives: the forward's transpose, dy @ dequant(W)^T. The record's ``launches`` counts the
+  kernels of one call and ``fused_gemm`` says whether XLA emitted the dot as a Triton GEMM fusion (which can take
+  the dequantization in as its operand's producer) rather than a separate dequantization and a cuBLAS call.
   """
-  from qerl_jax import quant  # pylint: disable=import-outside-toplevel
   from qerl_jax.quant.types import NVFP4Tensor  # pylint: disable=import-outside-toplevel
   ws, a = _case(direction, k, n, rows, key, dtype)
+  reference = ws[0]
   ws = [NVFP4Tensor(*w) for w in ws]
-  if direction == "fwd":
-    op = lambda x, q: jnp.matmul(x, quant.dequantize(q, x.dtype))
-  else:
-    op = lambda dy, q: jnp.matmul(dy, quant.dequantize(q, dy.dtype).T)
+  op = xla_path_op(direction, rows, k)
+  err = _rel_err(direction, jax.jit(op)(a, ws[0]), a, reference)
+  if not err < 1e-2:
+    raise RuntimeError(f"xla path {direction} k={k} n={n} rows={rows}: relative error {err}")
+  launches, fused = hlo_launches(jax.jit(op).lower(a, ws[0]).compile().as_text())
   timed = _time_loop(op, a, ws)
   return _record(direction, k, n, rows, timed, bf16_cache.get((direction, k, n, rows)), bw,
+                 check_rel_err=float(f"{err:.3g}"), launches=launches, fused_gemm=fused,
                  config={"block_n": 0, "block_k": 0, "split": 0, "num_warps": 0, "engine": "xla"})
+
+
+def xla_path_op(direction: str, rows: int, k: int):
+  """op(a, q) of the shipped XLA path: the forward x @ dequant(W), or the backward as JAX transposes it."""
+  from qerl_kernels import nvfp4_matmul  # pylint: disable=import-outside-toplevel
+  fwd = lambda x, q: nvfp4_matmul(x, q, implementation="xla")  # noqa: E731
+  if direction == "fwd":
+    return fwd
+  def bwd(dy, q):
+    x_spec = jax.ShapeDtypeStruct((rows, k), dy.dtype)
+    (dx,) = jax.linear_transpose(lambda x: fwd(x, q), x_spec)(dy)
+    return dx
+  return bwd
+
+
+def hlo_launches(text: str) -> tuple[int, bool]:
+  """(kernels one call launches, whether a dot is a Triton GEMM fusion) from an optimized HLO module's text."""
+  from experiments.bench_dot_forms import _kernels  # pylint: disable=import-outside-toplevel
+  return _kernels(text), "__triton_gemm" in text
 
 
 # Mosaic GPU kernel candidates for --mosaic (qerl_kernels/nvfp4_mgpu.py; untimed at its first commit): pipeline depth,
