@@ -50,6 +50,12 @@ def _kernels(text: str) -> int:
   return len(re.findall(r"= (?:\([^()]*\)|\S+) (?:fusion|custom-call)\(", entry))
 
 
+def hlo_launches(text: str) -> tuple[int, bool]:
+  """(kernels one call launches, whether XLA emitted a dot as a Triton GEMM fusion, which can take an operand's
+  producer such as a dequantization into its tile loop) from an optimized HLO module's text."""
+  return _kernels(text), "__triton_gemm" in text
+
+
 def check_error(y, x, w) -> float:
   """Largest |y - x @ w| over 8 sampled rows, in units of what a float32 sum rounded once to bf16 may be off by:
   2**-8 |x @ w| (the rounding) plus sqrt(K) 2**-24 (|x| @ |w|) (the float32 sum's roundings as a random walk; the

@@ -353,6 +353,7 @@ def bench_xla(direction, k, n, rows, key, bf16_cache, bw, dtype=jnp.bfloat16):
   err = _rel_err(direction, jax.jit(op)(a, ws[0]), a, reference)
   if not err < 1e-2:
     raise RuntimeError(f"xla path {direction} k={k} n={n} rows={rows}: relative error {err}")
+  from experiments.bench_dot_forms import hlo_launches  # pylint: disable=import-outside-toplevel
   launches, fused = hlo_launches(jax.jit(op).lower(a, ws[0]).compile().as_text())
   timed = _time_loop(op, a, ws)
   return _record(direction, k, n, rows, timed, bf16_cache.get((direction, k, n, rows)), bw,
@@ -371,12 +372,6 @@ def xla_path_op(direction: str, rows: int, k: int):
     (dx,) = jax.linear_transpose(lambda x: fwd(x, q), x_spec)(dy)
     return dx
   return bwd
-
-
-def hlo_launches(text: str) -> tuple[int, bool]:
-  """(kernels one call launches, whether a dot is a Triton GEMM fusion) from an optimized HLO module's text."""
-  from experiments.bench_dot_forms import _kernels  # pylint: disable=import-outside-toplevel
-  return _kernels(text), "__triton_gemm" in text
 
 
 # Mosaic GPU kernel candidates for --mosaic (qerl_kernels/nvfp4_mgpu.py; untimed at its first commit): pipeline depth,

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench_dot_forms import SHAPES, check_error, training_shapes_cli
+from experiments.bench_dot_forms import SHAPES, check_error, hlo_launches, training_shapes_cli
 from experiments.bench_train_attention import timed
 from experiments.provenance import append_records, commit
 from qerl_jax import quant
@@ -40,6 +40,13 @@ def table_decode(codes: jax.Array) -> jax.Array:
 
 DECODES = {"table": table_decode, "arith": e2m1.e2m1_decode}
 LAYOUTS = {"kn": lambda x, w_NxK: jnp.matmul(x, w_NxK.T), "nk": lambda x, w_NxK: jnp.einsum("mk,nk->mn", x, w_NxK)}
+
+
+def launch_fields(f, *args) -> dict:
+  """launches / fused_gemm of the jitted f's compiled program: whether the dequantization is a kernel of its own or
+  XLA took it into a Triton GEMM (at 16-2048 rows it did not, RESULTS "Where the XLA path stands")."""
+  launches, fused = hlo_launches(f.lower(*args).compile().as_text())
+  return {"launches": launches, "fused_gemm": fused}
 
 
 def main(argv=None) -> list[dict]:
@@ -64,7 +71,7 @@ def main(argv=None) -> list[dict]:
         raise SystemExit(f"{name}: the {dname} decode's weight differs from the shipped dequantization")
       deq_us = timed(deq, (q,), args.reps)
       records.append(dict(base, form=f"{dname}_dequant_only", us=round(deq_us, 1),
-                          gb_per_s=round(moved / deq_us / 1e3, 1)))
+                          gb_per_s=round(moved / deq_us / 1e3, 1), **launch_fields(deq, q)))
       for lname, dot in LAYOUTS.items():
         f = jax.jit(lambda x, q, decode=decode, dot=dot: dot(x, nvfp4.dequantize_NxK(q, decode=decode)))
         err = check_error(f(x, q), x, w_bf16)
@@ -72,7 +79,7 @@ def main(argv=None) -> list[dict]:
           raise SystemExit(f"{name}: {dname}_{lname} is {err:.2f} bf16 roundings from float64")
         us = timed(f, (x, q), args.reps)
         records.append(dict(base, form=f"{dname}_{lname}", us=round(us, 1), over_bf16_us=round(us - bf16_us, 1),
-                            err_roundings=round(err, 3)))
+                            err_roundings=round(err, 3), **launch_fields(f, x, q)))
     for r in records[-7:]:
       print(json.dumps(r), flush=True)
   if not args.smoke:

@@ -686,6 +686,15 @@ ENTRY %main (a: bf16[4,16], b: bf16[16,8]) -> bf16[4,8] {
 """
   assert bench_dot_forms._kernels(text) == 2
   assert bench_dot_forms._kernels(text.replace("(f32[4,8]{1,0}, s8[4194304]{0})", "f32[4,8]{1,0}")) == 2
+  # hlo_launches also says whether a dot is XLA's Triton GEMM fusion (which can take a dequantization in as the
+  # operand's producer): the cuBLAS call above is not; the same entry with the GEMM as such a fusion is.
+  assert bench_dot_forms.hlo_launches(text) == (2, False)
+  triton = text.replace(
+      '%custom-call.1 = (f32[4,8]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm"',
+      '%gemm_fusion = f32[4,8]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_convert, '
+      'backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}').replace(
+      "get-tuple-element(%custom-call.1), index=0", "copy(%gemm_fusion)")
+  assert bench_dot_forms.hlo_launches(triton) == (2, True)
 
 
 def test_probe_launch_harness_keeps_every_launch():
@@ -736,6 +745,8 @@ def test_bench_xla_dequant_forms_agree_with_the_shipped_dequantization():
     assert r["us"] > 0, r
     if r["form"].endswith(("_kn", "_nk")):  # the products (the other records time a weight or a dequantization)
       assert 0.05 < r["err_roundings"] <= 1.01, r
+    if r["form"] != "bf16_weight":  # each dequantizing program's launches (no Triton GEMM on the CPU)
+      assert r["launches"] >= 1 and r["fused_gemm"] is False, r
   import jax.numpy as jnp
   from qerl_jax.quant import e2m1
   codes = jnp.arange(16, dtype=jnp.uint8)
