@@ -20,6 +20,7 @@ rows within one bf16 rounding of a float32 sum (`bench_dot_forms.check_error`).
 from __future__ import annotations
 
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ from experiments.bench_train_attention import timed
 from experiments.provenance import append_records, commit
 from qerl_jax import quant
 from qerl_jax.quant import e2m1, nvfp4
+from qerl_kernels import config as config_lib, nvfp4_dequant
 
 
 def table_decode(codes: jax.Array) -> jax.Array:
@@ -47,6 +49,32 @@ def launch_fields(f, *args) -> dict:
   XLA took it into a Triton GEMM (at 16-2048 rows it did not, RESULTS "Where the XLA path stands")."""
   launches, fused = hlo_launches(f.lower(*args).compile().as_text())
   return {"launches": launches, "fused_gemm": fused}
+
+
+def pallas_forms(base, x, q, shipped, w_bf16, moved, bf16_us, reps) -> list[dict]:
+  """The Pallas dequantization (`qerl_kernels.nvfp4_dequant`, opt-in as "xla_dequant": "pallas") alone and under
+  the [N, K] dot, checked bit for bit against the shipped weight first (interpret mode on a CPU)."""
+  interpret = jax.devices()[0].platform == "cpu"
+  launch = config_lib.decode_launch("dequant", interpret)
+  if interpret:  # the smoke test's tiny shape: the largest power-of-two blocks that tile it
+    launch = dict(launch, block_n=math.gcd(launch["block_n"], base["n"]),
+                  block_b=math.gcd(launch["block_b"], base["k"] // 16))
+  if not nvfp4_dequant.supports(q, jnp.bfloat16, launch["block_n"], launch["block_b"]):
+    return []
+  blocks = dict(block_n=launch["block_n"], block_b=launch["block_b"], interpret=interpret)
+  deq = jax.jit(lambda q: nvfp4_dequant.dequantize_NxK(q, jnp.bfloat16, **blocks))
+  if not np.array_equal(np.asarray(deq(q)).view(np.uint16), np.asarray(shipped).view(np.uint16)):
+    raise SystemExit(f"{base['shape']}: the Pallas dequantization differs from the shipped one")
+  deq_us = timed(deq, (q,), reps)
+  f = jax.jit(lambda x, q: LAYOUTS["nk"](x, nvfp4_dequant.dequantize_NxK(q, jnp.bfloat16, **blocks)))
+  err = check_error(f(x, q), x, w_bf16)
+  if err > 1.01:
+    raise SystemExit(f"{base['shape']}: pallas_nk is {err:.2f} bf16 roundings from float64")
+  us = timed(f, (x, q), reps)
+  return [dict(base, form="pallas_dequant_only", us=round(deq_us, 1), gb_per_s=round(moved / deq_us / 1e3, 1),
+               **launch_fields(deq, q), launch=launch),
+          dict(base, form="pallas_nk", us=round(us, 1), over_bf16_us=round(us - bf16_us, 1),
+               err_roundings=round(err, 3), **launch_fields(f, x, q))]
 
 
 def main(argv=None) -> list[dict]:
@@ -80,7 +108,8 @@ def main(argv=None) -> list[dict]:
         us = timed(f, (x, q), args.reps)
         records.append(dict(base, form=f"{dname}_{lname}", us=round(us, 1), over_bf16_us=round(us - bf16_us, 1),
                             err_roundings=round(err, 3), **launch_fields(f, x, q)))
-    for r in records[-7:]:
+    records += pallas_forms(base, x, q, shipped, w_bf16, moved, bf16_us, args.reps)
+    for r in records[-9:]:
       print(json.dumps(r), flush=True)
   if not args.smoke:
     append_records(args.out, records)

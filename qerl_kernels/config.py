@@ -251,6 +251,8 @@ DECODE_KERNELS = {
     # decode_attention: cache slots per block; splits (which share the visible blocks) aimed at this many programs
     # per SM; blocks of k and v in flight (Triton's software pipelining of the slot loop)
     "attention": {"block_s": 64, "num_warps": 4, "programs_per_sm": 2, "num_stages": 2},
+    # nvfp4_dequant (the XLA path's weight, opt-in through "xla_dequant"): rows and 16-value scale blocks per program
+    "dequant": {"block_n": 32, "block_b": 32, "num_warps": 4},
 }
 
 
@@ -344,6 +346,8 @@ def _read_json_version(path: str, mtime_ns: int) -> dict:
       raise ValueError(f"tuning file {path}: not JSON ({e})") from None
   if "decode_kernels" in data:
     _check_decode_kernels(f"tuning file {path}", data["decode_kernels"])
+  if data.get("xla_dequant", "xla") not in XLA_DEQUANT:
+    raise ValueError(f"tuning file {path}: \"xla_dequant\" must be one of {XLA_DEQUANT}, got {data['xla_dequant']!r}")
   fields = {f.name for f in dataclasses.fields(Nvfp4MatmulConfig)}
   for i, e in enumerate(data.get("entries", ())):
     where = f"tuning file {path}, entry {i}"
@@ -383,6 +387,16 @@ def xla_min_rows(device_kind: str | None) -> int | None:
   """
   value = _tuning_file(device_kind).get("xla_min_rows") if device_kind else None
   return None if value is None else int(value)
+
+
+XLA_DEQUANT = ("xla", "pallas")
+
+
+def xla_dequant(device_kind: str | None) -> str:
+  """Who dequantizes a layer for the XLA path on this device kind: "xla" (XLA's fusion, the default) or "pallas"
+  (`qerl_kernels.nvfp4_dequant`, the same bits in one launch; opt-in until timed), the tuning file's top-level
+  "xla_dequant"."""
+  return _tuning_file(device_kind).get("xla_dequant", "xla") if device_kind else "xla"
 
 
 def get_config(direction: str, m: int, k: int, n: int, device_kind: str | None = None,

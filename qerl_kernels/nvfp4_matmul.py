@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from qerl_kernels import config as config_lib, nvfp4_epilogue
+from qerl_kernels import config as config_lib, nvfp4_dequant, nvfp4_epilogue
 from qerl_kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
 from qerl_kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
 from qerl_jax import quant
@@ -73,8 +73,25 @@ def nvfp4_matmul_reference(x: jax.Array, q: NVFP4Tensor | Nvfp4Group, **dot_kwar
   if is_stacked(q):
     return jnp.matmul(x, dequantize(q, x.dtype), **dot_kwargs)
   members = q.members if isinstance(q, Nvfp4Group) else (q,)
-  w_NxK = jnp.concatenate([quant.dequantize_NxK(m, x.dtype) for m in members], axis=0)
+  w_NxK = jnp.concatenate([dequantize_layer(m, x.dtype) for m in members], axis=0)
   return jnp.einsum("...k,nk->...n", x, w_NxK, **dot_kwargs)
+
+
+def pallas_dequant_applies(q: NVFP4Tensor, dtype) -> bool:
+  """Whether the XLA path dequantizes this one-layer weight with the Pallas kernel (`nvfp4_dequant`): a supported
+  GPU whose tuning file opts in ("xla_dequant": "pallas"), a 16-bit dtype and a shape its blocks tile."""
+  if not _gpu_supported() or config_lib.xla_dequant(_device_kind()) != "pallas":
+    return False
+  launch = config_lib.decode_kernel_params("dequant", _device_kind())
+  return nvfp4_dequant.supports(q, dtype, launch["block_n"], launch["block_b"])
+
+
+def dequantize_layer(q: NVFP4Tensor, dtype) -> jax.Array:
+  """One layer's [N, K] weight in dtype for the XLA path, the same bits whoever computes them. The weight is a
+  constant of the model's gradient (frozen base), so no tangent is asked of the kernel."""
+  if pallas_dequant_applies(q, dtype):
+    return nvfp4_dequant.dequantize_NxK(jax.tree_util.tree_map(jax.lax.stop_gradient, q), dtype)
+  return quant.dequantize_NxK(q, dtype)
 
 
 def check_shapes(x_shape, x_dtype, q: NVFP4Tensor | Nvfp4Group, layer=None) -> tuple[int, int]:

@@ -1,0 +1,84 @@
+"""An NVFP4 weight to 16 bits in one Pallas launch, bit for bit `qerl_jax.quant.nvfp4.dequantize_NxK`.
+
+From ``xla_min_rows`` on, an NVFP4 matmul dequantizes one layer and calls XLA's dot (`nvfp4_matmul_reference`).
+XLA takes that dequantization into no GEMM, and its fusion wrote a 7B gate weight (68M values, 136 MB of bf16)
+in 156-187 us on an H100, 0.7-0.9 TB/s, where the bytes take ~65 us at the copy bandwidth (experiments/RESULTS.md,
+"Where the XLA path stands"). That time is the XLA path's whole excess over the bf16 dot.
+
+Each program writes a [block_n, block_b, 8] tile of uint32 words: word (n, b, j) holds the two 16-bit values of
+packed byte (n, 8 b + j), the low nibble's in the low half. Read as 16-bit values on a little-endian GPU that is
+the weight's own [N, K] order (element 2i in the low nibble, compressed-tensors'), so the kernel needs no
+interleave and XLA's bitcast and reshape after it move nothing. The float32 step of each block (the e4m3 scale
+over the global scale) comes from XLA, [N, K/16]: it must be the correctly rounded quotient, which Triton's
+float32 divide is not.
+
+Opt-in (the tuning file's "xla_dequant": "pallas") until it is timed on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from qerl_jax.quant import e2m1, nvfp4
+from qerl_jax.quant.types import NVFP4Tensor
+from qerl_kernels import config as config_lib
+
+BYTES_PER_BLOCK = nvfp4.NVFP4_BLOCK // 2  # packed bytes of one 16-value scale block
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def dequant_kernel(packed_ref, step_ref, words_ref, *, dtype):
+  """One [block_n, block_b] tile of scale blocks: packed uint8 [bn, bb, 8] and each block's float32 step [bn, bb]
+  -> uint32 words [bn, bb, 8], each two ``dtype`` values: float32(E2M1[code]) * step, rounded once."""
+  byte = packed_ref[...].astype(jnp.uint32)
+  step = step_ref[...][:, :, None]
+
+  def bits(codes):  # as dequantize_NxK: the code's float32 value times the block's step, rounded to dtype
+    value = (e2m1.e2m1_decode(codes) * step).astype(dtype)
+    return jax.lax.bitcast_convert_type(value, jnp.uint16).astype(jnp.uint32)
+
+  words_ref[...] = bits(byte & 15) | (bits(byte >> 4) << 16)
+
+
+def supports(q: NVFP4Tensor, dtype, block_n: int, block_b: int) -> bool:
+  """Whether one (unstacked) weight tiles evenly at these block sizes, for a 16-bit dtype the kernel writes."""
+  n, kh = q.packed_NxKh.shape[-2:]
+  return (q.packed_NxKh.ndim == 2 and jnp.dtype(dtype) in DTYPES and n % block_n == 0
+          and (kh // BYTES_PER_BLOCK) % block_b == 0)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "block_n", "block_b", "num_warps", "interpret"))
+def dequantize_NxK(q: NVFP4Tensor, dtype=jnp.bfloat16, *, block_n: int | None = None, block_b: int | None = None,
+                   num_warps: int | None = None, interpret: bool = False) -> jax.Array:
+  """[N, K] weight in ``dtype`` (bf16 or fp16), equal bit for bit to `qerl_jax.quant.nvfp4.dequantize_NxK`.
+
+  block_n rows and block_b scale blocks (of 16 values) per program; they and num_warps default to the device's
+  tuning (``config.decode_launch("dequant")``). N must be a multiple of block_n and K / 16 of block_b
+  (``supports``); the caller falls back to XLA's dequantization elsewhere.
+  """
+  launch = config_lib.decode_launch("dequant", interpret, block_n=block_n, block_b=block_b, num_warps=num_warps)
+  block_n, block_b = launch["block_n"], launch["block_b"]
+  if not supports(q, dtype, block_n, block_b):
+    raise ValueError(f"nvfp4_dequant: packed {q.packed_NxKh.shape} ({jnp.dtype(dtype)}) must be one [N, K/2] weight "
+                     f"of a 16-bit dtype with N a multiple of {block_n=} and K/16 of {block_b=}")
+  n, kh = q.packed_NxKh.shape
+  nb = kh // BYTES_PER_BLOCK
+  step_NxKb = nvfp4.effective_scale(q.scale_NxKb, q.global_scale)
+  words = pl.pallas_call(
+      functools.partial(dequant_kernel, dtype=jnp.dtype(dtype)),
+      out_shape=jax.ShapeDtypeStruct((n, nb, BYTES_PER_BLOCK), jnp.uint32),
+      grid=(n // block_n, nb // block_b),
+      in_specs=[pl.BlockSpec((block_n, block_b, BYTES_PER_BLOCK), lambda i, j: (i, j, 0)),
+                pl.BlockSpec((block_n, block_b), lambda i, j: (i, j))],
+      out_specs=pl.BlockSpec((block_n, block_b, BYTES_PER_BLOCK), lambda i, j: (i, j, 0)),
+      compiler_params=plgpu.CompilerParams(num_warps=launch["num_warps"], num_stages=1),
+      interpret=interpret,
+      name="nvfp4_dequant",
+  )(q.packed_NxKh.reshape(n, nb, BYTES_PER_BLOCK), step_NxKb)
+  # uint32 [N, K/16, 8] -> 16-bit [N, K/16, 8, 2] (the low half first) -> [N, K].
+  return jax.lax.bitcast_convert_type(words, dtype).reshape(n, 2 * kh)

@@ -1,0 +1,76 @@
+"""The XLA path's Pallas dequantization (`qerl_kernels.nvfp4_dequant`): the same bits as the library's, its
+lowering for a CUDA GPU, and when the dispatch takes it (only where a device's tuning file opts in)."""
+
+import json
+import sys
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qerl_jax.quant import nvfp4
+from qerl_jax.quant.types import NVFP4Tensor
+from qerl_kernels import config as config_lib, nvfp4_dequant
+from tests.triton_lowering import lower_for_cuda
+
+
+def _random_q(rng, k, n) -> NVFP4Tensor:
+  """Every byte value, block scales across e4m3's range (subnormals included), a random global scale."""
+  packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+  scale = np.exp2(rng.uniform(-9, 8.7, (n, k // 16))).astype(ml_dtypes.float8_e4m3fn)
+  gs = np.float32(np.exp2(rng.uniform(-4, 12)))
+  return NVFP4Tensor(jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(gs))
+
+
+@pytest.mark.parametrize("k,n,block_n,block_b", [(512, 64, 32, 32), (1024, 96, 32, 16), (256, 128, 64, 16)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_kernel_equals_the_library_dequantization_bit_for_bit(k, n, block_n, block_b, dtype):
+  q = _random_q(np.random.default_rng(), k, n)
+  got = nvfp4_dequant.dequantize_NxK(q, dtype, block_n=block_n, block_b=block_b, interpret=True)
+  want = nvfp4.dequantize_NxK(q, dtype)
+  assert got.shape == (n, k) and got.dtype == jnp.dtype(dtype)
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+  # And against an independent NumPy formula: E2M1[code] * (scale / gs) in float32, low nibble first, rounded once.
+  e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+  packed = np.asarray(q.packed_NxKh)
+  codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, k)
+  step = np.asarray(q.scale_NxKb).astype(np.float32) / np.asarray(q.global_scale, np.float32)
+  ref = (e2m1[codes] * np.repeat(step, 16, axis=1)).astype(jnp.dtype(dtype))
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint16), ref.view(np.uint16))
+
+
+def test_kernel_refuses_what_it_does_not_tile():
+  q = _random_q(np.random.default_rng(), 512, 48)  # N = 48 is not a multiple of 32 rows per program
+  assert not nvfp4_dequant.supports(q, jnp.bfloat16, 32, 32)
+  assert not nvfp4_dequant.supports(_random_q(np.random.default_rng(), 512, 64), jnp.float32, 32, 32)
+  with pytest.raises(ValueError, match="N a multiple of block_n=32"):
+    nvfp4_dequant.dequantize_NxK(q, jnp.bfloat16, block_n=32, block_b=32, interpret=True)
+
+
+def test_kernel_lowers_to_triton_for_cuda():
+  q = _random_q(np.random.default_rng(0), 512, 64)
+  text, module = lower_for_cuda(lambda q: nvfp4_dequant.dequantize_NxK(q, block_n=32, block_b=32, num_warps=4), q)
+  assert text.count("__gpu$xla.gpu.triton") == 1, text[:2000]
+  assert "module @" in module and '"builtin.module"' not in module, module[-3000:]
+
+
+def test_the_xla_path_takes_the_kernel_only_where_the_tuning_opts_in(tmp_path, monkeypatch):
+  mm = sys.modules["qerl_kernels.nvfp4_matmul"]  # the module (the package attribute is the function)
+  monkeypatch.setattr(mm, "_gpu_supported", lambda: True)
+  monkeypatch.setattr(mm, "_device_kind", lambda: "NVIDIA H200")
+  tiles, ragged = _random_q(np.random.default_rng(), 512, 64), _random_q(np.random.default_rng(), 512, 48)
+  monkeypatch.delenv("QERL_KERNEL_TUNING", raising=False)
+  assert not mm.pallas_dequant_applies(tiles, jnp.bfloat16)  # the shipped file does not opt in (untimed)
+  path = tmp_path / "tuning.json"
+  path.write_text(json.dumps({"xla_dequant": "pallas"}))
+  monkeypatch.setenv("QERL_KERNEL_TUNING", str(path))
+  assert mm.pallas_dequant_applies(tiles, jnp.bfloat16) and mm.pallas_dequant_applies(tiles, jnp.float16)
+  assert not mm.pallas_dequant_applies(ragged, jnp.bfloat16)  # XLA's dequantization for shapes it does not tile
+  assert not mm.pallas_dequant_applies(tiles, jnp.float32)
+  monkeypatch.setattr(mm, "_gpu_supported", lambda: False)
+  assert not mm.pallas_dequant_applies(tiles, jnp.bfloat16)
+  # A bad value fails when the file is read, naming the key.
+  path.write_text(json.dumps({"xla_dequant": "triton"}))
+  with pytest.raises(ValueError, match='"xla_dequant" must be one of'):
+    config_lib.xla_dequant("NVIDIA H200")
