@@ -8,6 +8,9 @@ and the [N, K] result is transposed to [K, N] before the dot. This times, on the
 
   "table" / "arith": the decode as a gather from the 8-value table (`table_decode`, shipped until this bench
     came), or as integer ops that build each value's float32 bits (`qerl_jax.quant.e2m1.e2m1_decode` since);
+  "words": the integer decode with each packed byte's two values formed as one uint32 word (no interleave;
+    `nvfp4.dequantize_NxK(words=True)`), and "pallas": the same words in one Pallas launch
+    (`qerl_kernels.nvfp4_dequant`);
   "kn" / "nk": the dot over the transposed [K, N] weight (`jnp.matmul`, shipped until then) or over [N, K];
 
 each form's dequantization alone, and the bf16 dot over an already-bf16 weight as the floor. Every form is
@@ -40,7 +43,8 @@ def table_decode(codes: jax.Array) -> jax.Array:
   return jnp.where((codes & 8) != 0, -mag, mag)
 
 
-DECODES = {"table": table_decode, "arith": e2m1.e2m1_decode}
+# The dequantization's forms: its decode, and (words) each packed byte's two values formed as one uint32 word.
+DECODES = {"table": {"decode": table_decode}, "arith": {}, "words": {"words": True}}
 LAYOUTS = {"kn": lambda x, w_NxK: jnp.matmul(x, w_NxK.T), "nk": lambda x, w_NxK: jnp.einsum("mk,nk->mn", x, w_NxK)}
 
 
@@ -92,8 +96,8 @@ def main(argv=None) -> list[dict]:
                 device=device)
     bf16_us = timed(jax.jit(jnp.matmul), (x, w_bf16), args.reps)
     records.append(dict(base, form="bf16_weight", us=round(bf16_us, 1)))
-    for dname, decode in DECODES.items():
-      deq = jax.jit(lambda q, decode=decode: nvfp4.dequantize_NxK(q, decode=decode))
+    for dname, form in DECODES.items():
+      deq = jax.jit(lambda q, form=form: nvfp4.dequantize_NxK(q, **form))
       got = deq(q)
       if not np.array_equal(np.asarray(got).view(np.uint16), np.asarray(shipped).view(np.uint16)):
         raise SystemExit(f"{name}: the {dname} decode's weight differs from the shipped dequantization")
@@ -101,7 +105,7 @@ def main(argv=None) -> list[dict]:
       records.append(dict(base, form=f"{dname}_dequant_only", us=round(deq_us, 1),
                           gb_per_s=round(moved / deq_us / 1e3, 1), **launch_fields(deq, q)))
       for lname, dot in LAYOUTS.items():
-        f = jax.jit(lambda x, q, decode=decode, dot=dot: dot(x, nvfp4.dequantize_NxK(q, decode=decode)))
+        f = jax.jit(lambda x, q, form=form, dot=dot: dot(x, nvfp4.dequantize_NxK(q, **form)))
         err = check_error(f(x, q), x, w_bf16)
         if err > 1.01:
           raise SystemExit(f"{name}: {dname}_{lname} is {err:.2f} bf16 roundings from float64")
@@ -109,7 +113,7 @@ def main(argv=None) -> list[dict]:
         records.append(dict(base, form=f"{dname}_{lname}", us=round(us, 1), over_bf16_us=round(us - bf16_us, 1),
                             err_roundings=round(err, 3), **launch_fields(f, x, q)))
     records += pallas_forms(base, x, q, shipped, w_bf16, moved, bf16_us, args.reps)
-    for r in records[-9:]:
+    for r in records[-12:]:
       print(json.dumps(r), flush=True)
   if not args.smoke:
     append_records(args.out, records)

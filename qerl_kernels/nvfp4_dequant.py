@@ -1,16 +1,16 @@
 """An NVFP4 weight to 16 bits in one Pallas launch, bit for bit `qerl_jax.quant.nvfp4.dequantize_NxK`.
 
 From ``xla_min_rows`` on, an NVFP4 matmul dequantizes one layer and calls XLA's dot (`nvfp4_matmul_reference`).
-XLA takes that dequantization into no GEMM, and its fusion wrote a 7B gate weight (68M values, 136 MB of bf16)
-in 156-187 us on an H100, 0.7-0.9 TB/s, where the bytes take ~65 us at the copy bandwidth (experiments/RESULTS.md,
-"Where the XLA path stands"). That time is the XLA path's whole excess over the bf16 dot.
+At 16-2048 rows XLA took that dequantization into no GEMM, and its fusion wrote a 7B gate weight (68M values, 136 MB
+of bf16) in 156-187 us on an H100, 0.7-0.9 TB/s, where the bytes take ~65 us at the copy bandwidth
+(experiments/RESULTS.md, "Where the XLA path stands"): the XLA path's whole excess over the bf16 dot.
 
-Each program writes a [block_n, block_b, 8] tile of uint32 words: word (n, b, j) holds the two 16-bit values of
-packed byte (n, 8 b + j), the low nibble's in the low half. Read as 16-bit values on a little-endian GPU that is
-the weight's own [N, K] order (element 2i in the low nibble, compressed-tensors'), so the kernel needs no
-interleave and XLA's bitcast and reshape after it move nothing. The float32 step of each block (the e4m3 scale
-over the global scale) comes from XLA, [N, K/16]: it must be the correctly rounded quotient, which Triton's
-float32 divide is not.
+Each program writes a [block_n, block_b, 8] tile of uint32 words (`nvfp4.byte_words`): word (n, b, j) holds the
+two 16-bit values of packed byte (n, 8 b + j), the low nibble's in the low half. Read as 16-bit values on a
+little-endian GPU that is the weight's own [N, K] order (element 2i in the low nibble, compressed-tensors'), so
+the kernel forms no interleave and XLA's bitcast and reshape after it move nothing. The float32 step of each block
+(the e4m3 scale over the global scale) comes from XLA, [N, K/16]: it must be the correctly rounded quotient, which
+Triton's float32 divide is not.
 
 Opt-in (the tuning file's "xla_dequant": "pallas") until it is timed on a GPU.
 """
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from qerl_jax.quant import e2m1, nvfp4
+from qerl_jax.quant import nvfp4
 from qerl_jax.quant.types import NVFP4Tensor
 from qerl_kernels import config as config_lib
 
@@ -35,14 +35,7 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 def dequant_kernel(packed_ref, step_ref, words_ref, *, dtype):
   """One [block_n, block_b] tile of scale blocks: packed uint8 [bn, bb, 8] and each block's float32 step [bn, bb]
   -> uint32 words [bn, bb, 8], each two ``dtype`` values: float32(E2M1[code]) * step, rounded once."""
-  byte = packed_ref[...].astype(jnp.uint32)
-  step = step_ref[...][:, :, None]
-
-  def bits(codes):  # as dequantize_NxK: the code's float32 value times the block's step, rounded to dtype
-    value = (e2m1.e2m1_decode(codes) * step).astype(dtype)
-    return jax.lax.bitcast_convert_type(value, jnp.uint16).astype(jnp.uint32)
-
-  words_ref[...] = bits(byte & 15) | (bits(byte >> 4) << 16)
+  words_ref[...] = nvfp4.byte_words(packed_ref[...], step_ref[...][:, :, None], dtype)
 
 
 def supports(q: NVFP4Tensor, dtype, block_n: int, block_b: int) -> bool:

@@ -79,8 +79,11 @@ def nvfp4_matmul_reference(x: jax.Array, q: NVFP4Tensor | Nvfp4Group, **dot_kwar
 
 def pallas_dequant_applies(q: NVFP4Tensor, dtype) -> bool:
   """Whether the XLA path dequantizes this one-layer weight with the Pallas kernel (`nvfp4_dequant`): a supported
-  GPU whose tuning file opts in ("xla_dequant": "pallas"), a 16-bit dtype and a shape its blocks tile."""
+  GPU whose tuning file opts in ("xla_dequant": "pallas"), a 16-bit dtype and a shape its blocks tile, and no mesh
+  (XLA has no partitioning rule for a Pallas call: it would gather the layer's FSDP shards to run it whole)."""
   if not _gpu_supported() or config_lib.xla_dequant(_device_kind()) != "pallas":
+    return False
+  if not jax.sharding.get_abstract_mesh().empty:
     return False
   launch = config_lib.decode_kernel_params("dequant", _device_kind())
   return nvfp4_dequant.supports(q, dtype, launch["block_n"], launch["block_b"])

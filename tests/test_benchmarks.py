@@ -740,8 +740,8 @@ def test_bench_xla_dequant_forms_agree_with_the_shipped_dequantization():
   from experiments import bench_xla_dequant
   records = bench_xla_dequant.main(["--smoke"])
   assert [r["form"] for r in records] == ["bf16_weight", "table_dequant_only", "table_kn", "table_nk",
-                                          "arith_dequant_only", "arith_kn", "arith_nk", "pallas_dequant_only",
-                                          "pallas_nk"]
+                                          "arith_dequant_only", "arith_kn", "arith_nk", "words_dequant_only",
+                                          "words_kn", "words_nk", "pallas_dequant_only", "pallas_nk"]
   for r in records:
     assert r["us"] > 0, r
     if r["form"].endswith(("_kn", "_nk")):  # the products (the other records time a weight or a dequantization)

@@ -4,6 +4,7 @@ lowering for a CUDA GPU, and when the dispatch takes it (only where a device's t
 import json
 import sys
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -31,6 +32,9 @@ def test_kernel_equals_the_library_dequantization_bit_for_bit(k, n, block_n, blo
   want = nvfp4.dequantize_NxK(q, dtype)
   assert got.shape == (n, k) and got.dtype == jnp.dtype(dtype)
   np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+  # The library's words form (XLA's program over the same uint32 words) too.
+  words = nvfp4.dequantize_NxK(q, dtype, words=True)
+  np.testing.assert_array_equal(np.asarray(words).view(np.uint16), np.asarray(want).view(np.uint16))
   # And against an independent NumPy formula: E2M1[code] * (scale / gs) in float32, low nibble first, rounded once.
   e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
   packed = np.asarray(q.packed_NxKh)
@@ -68,6 +72,9 @@ def test_the_xla_path_takes_the_kernel_only_where_the_tuning_opts_in(tmp_path, m
   assert mm.pallas_dequant_applies(tiles, jnp.bfloat16) and mm.pallas_dequant_applies(tiles, jnp.float16)
   assert not mm.pallas_dequant_applies(ragged, jnp.bfloat16)  # XLA's dequantization for shapes it does not tile
   assert not mm.pallas_dequant_applies(tiles, jnp.float32)
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  with jax.set_mesh(mesh):  # under a mesh XLA's dequantization keeps the sharded program's own partitioning
+    assert not mm.pallas_dequant_applies(tiles, jnp.bfloat16)
   monkeypatch.setattr(mm, "_gpu_supported", lambda: False)
   assert not mm.pallas_dequant_applies(tiles, jnp.bfloat16)
   # A bad value fails when the file is read, naming the key.

@@ -61,6 +61,19 @@ def block_scales(w_NxK: jax.Array, gs: jax.Array) -> jax.Array:
   return jnp.where(s.astype(jnp.float32) == 0, jnp.asarray(ZERO_SCALE_REPLACEMENT, s.dtype), s)
 
 
+def byte_words(packed: jax.Array, step: jax.Array, dtype, decode=e2m1.e2m1_decode) -> jax.Array:
+  """uint32 words, one per packed byte: its two values dtype(float32(E2M1[code]) * step) as 16-bit patterns, the
+  low nibble's in the low half. Bitcast to ``dtype`` on a little-endian machine they are the weight's own [.., K]
+  order (element 2i in the low nibble), so no interleave is formed. ``step`` broadcasts against ``packed``."""
+  byte = packed.astype(jnp.uint32)
+
+  def bits(codes):
+    value = (decode(codes) * step).astype(dtype)
+    return jax.lax.bitcast_convert_type(value, jnp.uint16).astype(jnp.uint32)
+
+  return bits(byte & 15) | (bits(byte >> 4) << 16)
+
+
 def effective_scale(scale_NxKb: jax.Array, gs: jax.Array) -> jax.Array:
   """float32 dequant step per block: float32(scale_fp8) / gs (a divide, as compressed-tensors does)."""
   return e2m1.div_exact(scale_NxKb.astype(jnp.float32), gs.reshape(()))
@@ -99,10 +112,17 @@ def quantize_NxK(w_NxK: jax.Array, gs: jax.Array | None = None) -> NVFP4Tensor:
   return NVFP4Tensor(packed_NxKh=e2m1.pack_low_first(codes), scale_NxKb=scale, global_scale=gs)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "decode"))
-def dequantize_NxK(q: NVFP4Tensor, dtype=jnp.bfloat16, decode=e2m1.e2m1_decode) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("dtype", "decode", "words"))
+def dequantize_NxK(q: NVFP4Tensor, dtype=jnp.bfloat16, decode=e2m1.e2m1_decode, words: bool = False) -> jax.Array:
   """[N, K] weight in ``dtype``: dtype(float32(E2M1[code]) * (float32(scale) / gs)). ``decode``: codes -> float32
-  values (`experiments/bench_xla_dequant.py` times another form of it)."""
+  values (`experiments/bench_xla_dequant.py` times another form of it). ``words`` (16-bit dtypes): the same bits
+  formed as one uint32 word per packed byte (`byte_words`), a program XLA may write faster (not yet timed)."""
+  if words and jnp.dtype(dtype).itemsize == 2:
+    n, kh = q.packed_NxKh.shape
+    nb = kh // (NVFP4_BLOCK // 2)
+    step = effective_scale(q.scale_NxKb, q.global_scale)[:, :, None]
+    w = byte_words(q.packed_NxKh.reshape(n, nb, NVFP4_BLOCK // 2), step, jnp.dtype(dtype), decode)
+    return jax.lax.bitcast_convert_type(w, dtype).reshape(n, 2 * kh)
   codes = e2m1.unpack_low_first(q.packed_NxKh)
   n, k = codes.shape
   vals = decode(codes).reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
