@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rollout import (QWEN25, _filler, add_per_run_flags, merged_groups, model_config,  # noqa: E402
                            refuse_per_run_flags, synthetic_base)
-from experiments.provenance import append_records, commit  # noqa: E402
+from experiments.provenance import append_records, commit, kernel_tuning  # noqa: E402
 from qerl_jax.model.config import TRAIN_ATTENTION  # noqa: E402
 
 
@@ -186,7 +186,8 @@ def run_one(args) -> dict:
     decode_attention=args.decode_attention, decode_layers=args.decode_layers, fused_lora=args.fused_lora,
     rollout_lora_dtype=args.rollout_lora_dtype, rollout_base_dtype=args.rollout_base_dtype,
     train_attention=args.train_attention, train_attention_impl=config.train_attention_impl,
-    rollout_merged_launches=",".join(config.merged_launch_groups) if args.quant == "nvfp4" else "")
+    rollout_merged_launches=",".join(config.merged_launch_groups) if args.quant == "nvfp4" else "",
+    kernel_tuning=kernel_tuning())
 
 
 def main():

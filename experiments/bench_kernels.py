@@ -500,7 +500,8 @@ def main(argv=None):
               if args.gemv and direction == "fwd" and rows <= config_lib.GEMV_MAX_ROWS:
                 cands += [c for c in GEMV_SETS[args.gemv_set] if not gemv_decoders or c.dequant in gemv_decoders]
             tag = dict(shape=f"qwen2.5-{model}.{layer}", commit=commit, device=device,
-                       copy_tbps=round(bw / 1e12, 3), **({"l2_warm": True} if _L2_WARM else {}))
+                       copy_tbps=round(bw / 1e12, 3), kernel_tuning=provenance.kernel_tuning(),
+                       **({"l2_warm": True} if _L2_WARM else {}))
             widths = group_widths(model, layer) if args.group and direction == "fwd" else ()
             case = _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag, widths)
             for rec in case:

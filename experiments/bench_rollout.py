@@ -27,7 +27,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from experiments.provenance import append_records, commit  # noqa: E402  (after the path: run as a script too)
+from experiments.provenance import append_records, commit, kernel_tuning  # noqa: E402  (after the path: run as a script too)
 
 # Qwen2.5-*-Instruct shapes (config.json of the hub models); head_dim 128, qkv bias, rope_theta 1e6.
 QWEN25 = {
@@ -176,7 +176,7 @@ def _time_rollout(args, config, graphdef, state, weight_bytes, bw, batch):
               decode_partials_tiles=args.decode_partials_tiles, decode_norm_fold=args.decode_norm_fold,
               rollout_merged_launches=",".join(config.merged_launch_groups),
               xla_flags=os.environ.get("XLA_FLAGS", ""),
-              kernel_tuning=os.environ.get("QERL_KERNEL_TUNING", "") or "shipped")  # a variant file, if one is set
+              kernel_tuning=kernel_tuning())
 
 
 def merged_groups(spec: str, quant: str) -> tuple[str, ...] | None:

@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments.provenance import commit  # noqa: E402
+from experiments.provenance import commit, kernel_tuning  # noqa: E402
 from qerl_kernels import config as config_lib  # noqa: E402
 from qerl_kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas  # noqa: E402
 from qerl_kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas  # noqa: E402
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
   ok = all(v["bit_equal"] for v in cases.values())
   with open(args.out, "w") as f:
     json.dump(dict(commit=commit(), device=jax.devices()[0].device_kind, jax=jax.__version__,
-                   kernel_tuning=os.environ.get("QERL_KERNEL_TUNING") or "shipped", all_bit_equal=ok, cases=cases),
+                   kernel_tuning=kernel_tuning(), all_bit_equal=ok, cases=cases),
               f, indent=1)
   print("all bit-equal" if ok else "MISMATCH")
   return 0 if ok else 1

@@ -27,6 +27,12 @@ def commit() -> str:
   return head + ("-dirty" if dirty else "")
 
 
+def kernel_tuning() -> str:
+  """The kernels' tuning a run used: the QERL_KERNEL_TUNING file when set (a variant tried without editing the
+  shipped one, e.g. "xla_dequant": "pallas"), else "shipped". A/B records tell their arms apart by it."""
+  return os.environ.get("QERL_KERNEL_TUNING", "") or "shipped"
+
+
 def append_records(path: str, records) -> None:
   """Appends each record as one JSON line to ``path`` (folders made as needed): how every benchmark keeps its
   results, so a later run adds to a file and never rewrites what an earlier one measured."""

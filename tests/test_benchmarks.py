@@ -36,6 +36,7 @@ def test_bench_kernels_times_tile_gemv_and_xla_paths_after_checking_them(tmp_pat
                   "commit", "device"):
       assert field in r, field
     assert r["shape"] == "qwen2.5-tiny.down" and (r["k"], r["n"]) == (96, 64)
+    assert r["kernel_tuning"] == (os.environ.get("QERL_KERNEL_TUNING") or "shipped")
     if r["implementation"] in ("pallas", "xla"):
       assert r["check_rel_err"] < 1e-2
   # The XLA path's records time the shipped path and count its launches (on the CPU no Triton GEMM is emitted).
@@ -186,6 +187,18 @@ def test_bench_grpo_step_smoke_writes_the_phase_split(tmp_path):
     assert r["rollout_lora_dtype"] == "bfloat16" and r["fused_lora"] is True and r["remat"] is False
     assert r["train_attention"] == "auto" and r["train_attention_impl"] == "xla"  # the CPU's
     assert r["rollout_merged_launches"] == ("qkv,gate_up" if r["quant"] == "nvfp4" else "")  # the default
+    assert r["kernel_tuning"] == (os.environ.get("QERL_KERNEL_TUNING") or "shipped")
+
+
+def test_records_name_the_kernel_tuning_they_ran_with(monkeypatch):
+  # An A/B of a tuning variant (QERL_KERNEL_TUNING) is told apart from the shipped arm by this field.
+  from experiments import provenance
+  monkeypatch.delenv("QERL_KERNEL_TUNING", raising=False)
+  assert provenance.kernel_tuning() == "shipped"
+  monkeypatch.setenv("QERL_KERNEL_TUNING", "")
+  assert provenance.kernel_tuning() == "shipped"
+  monkeypatch.setenv("QERL_KERNEL_TUNING", "/tmp/pallas_dequant.json")
+  assert provenance.kernel_tuning() == "/tmp/pallas_dequant.json"
 
 
 def test_profile_decode_sums_stream_kernels_only(tmp_path):
