@@ -21,12 +21,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from qerl_jax.quant import nvfp4
 from qerl_jax.quant.types import NVFP4Tensor
-from qerl_kernels import config as config_lib
+from qerl_kernels import config as config_lib, nvfp4_tile
 
 BYTES_PER_BLOCK = nvfp4.NVFP4_BLOCK // 2  # packed bytes of one 16-value scale block
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -45,14 +46,15 @@ def supports(q: NVFP4Tensor, dtype, block_n: int, block_b: int) -> bool:
           and (kh // BYTES_PER_BLOCK) % block_b == 0)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "block_n", "block_b", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("dtype", "block_n", "block_b", "num_warps", "interpret", "poison"))
 def dequantize_NxK(q: NVFP4Tensor, dtype=jnp.bfloat16, *, block_n: int | None = None, block_b: int | None = None,
-                   num_warps: int | None = None, interpret: bool = False) -> jax.Array:
+                   num_warps: int | None = None, interpret: bool = False, poison: bool = False) -> jax.Array:
   """[N, K] weight in ``dtype`` (bf16 or fp16), equal bit for bit to `qerl_jax.quant.nvfp4.dequantize_NxK`.
 
   block_n rows and block_b scale blocks (of 16 values) per program; they and num_warps default to the device's
   tuning (``config.decode_launch("dequant")``). N must be a multiple of block_n and K / 16 of block_b
-  (``supports``); the caller falls back to XLA's dequantization elsewhere.
+  (``supports``); the caller falls back to XLA's dequantization elsewhere. poison (tests): the words start as two
+  NaNs each (aliased in place), so a tile the kernel does not write shows up.
   """
   launch = config_lib.decode_launch("dequant", interpret, block_n=block_n, block_b=block_b, num_warps=num_warps)
   block_n, block_b = launch["block_n"], launch["block_b"]
@@ -61,17 +63,28 @@ def dequantize_NxK(q: NVFP4Tensor, dtype=jnp.bfloat16, *, block_n: int | None = 
                      f"of a 16-bit dtype with N a multiple of {block_n=} and K/16 of {block_b=}")
   n, kh = q.packed_NxKh.shape
   nb = kh // BYTES_PER_BLOCK
-  step_NxKb = nvfp4.effective_scale(q.scale_NxKb, q.global_scale)
+  words_spec = pl.BlockSpec((block_n, block_b, BYTES_PER_BLOCK), lambda i, j: (i, j, 0))
+  out_shape = jax.ShapeDtypeStruct((n, nb, BYTES_PER_BLOCK), jnp.uint32)
+  kernel = functools.partial(dequant_kernel, dtype=jnp.dtype(dtype))
+  operands = [q.packed_NxKh.reshape(n, nb, BYTES_PER_BLOCK), nvfp4.effective_scale(q.scale_NxKb, q.global_scale)]
+  in_specs = [words_spec, pl.BlockSpec((block_n, block_b), lambda i, j: (i, j))]
+  aliases = {}
+  if poison:
+    nan = int(np.array(np.nan, jnp.dtype(dtype)).view(np.uint16))
+    operands.append(jnp.full(out_shape.shape, nan | (nan << 16), jnp.uint32))
+    in_specs.append(words_spec)
+    aliases = {2: 0}
+    kernel = functools.partial(nvfp4_tile.drop_poison_refs, kernel, 1)
   words = pl.pallas_call(
-      functools.partial(dequant_kernel, dtype=jnp.dtype(dtype)),
-      out_shape=jax.ShapeDtypeStruct((n, nb, BYTES_PER_BLOCK), jnp.uint32),
+      kernel,
+      out_shape=out_shape,
       grid=(n // block_n, nb // block_b),
-      in_specs=[pl.BlockSpec((block_n, block_b, BYTES_PER_BLOCK), lambda i, j: (i, j, 0)),
-                pl.BlockSpec((block_n, block_b), lambda i, j: (i, j))],
-      out_specs=pl.BlockSpec((block_n, block_b, BYTES_PER_BLOCK), lambda i, j: (i, j, 0)),
+      in_specs=in_specs,
+      out_specs=words_spec,
+      input_output_aliases=aliases,
       compiler_params=plgpu.CompilerParams(num_warps=launch["num_warps"], num_stages=1),
       interpret=interpret,
       name="nvfp4_dequant",
-  )(q.packed_NxKh.reshape(n, nb, BYTES_PER_BLOCK), step_NxKb)
+  )(*operands)
   # uint32 [N, K/16, 8] -> 16-bit [N, K/16, 8, 2] (the low half first) -> [N, K].
   return jax.lax.bitcast_convert_type(words, dtype).reshape(n, 2 * kh)

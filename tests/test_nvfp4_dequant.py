@@ -28,7 +28,7 @@ def _random_q(rng, k, n) -> NVFP4Tensor:
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_kernel_equals_the_library_dequantization_bit_for_bit(k, n, block_n, block_b, dtype):
   q = _random_q(np.random.default_rng(), k, n)
-  got = nvfp4_dequant.dequantize_NxK(q, dtype, block_n=block_n, block_b=block_b, interpret=True)
+  got = nvfp4_dequant.dequantize_NxK(q, dtype, block_n=block_n, block_b=block_b, interpret=True, poison=True)
   want = nvfp4.dequantize_NxK(q, dtype)
   assert got.shape == (n, k) and got.dtype == jnp.dtype(dtype)
   np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
@@ -42,6 +42,18 @@ def test_kernel_equals_the_library_dequantization_bit_for_bit(k, n, block_n, blo
   step = np.asarray(q.scale_NxKb).astype(np.float32) / np.asarray(q.global_scale, np.float32)
   ref = (e2m1[codes] * np.repeat(step, 16, axis=1)).astype(jnp.dtype(dtype))
   np.testing.assert_array_equal(np.asarray(got).view(np.uint16), ref.view(np.uint16))
+
+
+def test_poisoned_words_show_a_tile_the_kernel_skips(monkeypatch):
+  # The poison path must be able to fail: with the kernel writing nothing, every value reads NaN.
+  q = _random_q(np.random.default_rng(), 256, 64)
+  monkeypatch.setattr(nvfp4_dequant, "dequant_kernel", lambda packed_ref, step_ref, words_ref, *, dtype: None)
+  nvfp4_dequant.dequantize_NxK.clear_cache()  # the jitted function looks the kernel up when it traces
+  try:
+    got = nvfp4_dequant.dequantize_NxK(q, jnp.bfloat16, block_n=32, block_b=16, interpret=True, poison=True)
+  finally:
+    nvfp4_dequant.dequantize_NxK.clear_cache()  # no later call may reuse the kernel that writes nothing
+  assert np.isnan(np.asarray(got, np.float32)).all()
 
 
 def test_kernel_refuses_what_it_does_not_tile():
