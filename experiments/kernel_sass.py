@@ -115,6 +115,52 @@ def triton_ir(direction: str, rows: int, k: int, n: int, cfg: config_lib.Nvfp4Ma
   return clean_ir(buf.getvalue())
 
 
+def xla_dequant_ir(k: int, n: int, block_n: int, block_b: int, num_warps: int) -> str:
+  """Triton IR of the XLA path's Pallas dequantization (`qerl_kernels.nvfp4_dequant`) of one [K, N] weight."""
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+  from qerl_jax.quant.types import NVFP4Tensor  # pylint: disable=import-outside-toplevel
+  from qerl_kernels import nvfp4_dequant  # pylint: disable=import-outside-toplevel
+
+  q = NVFP4Tensor(jax.ShapeDtypeStruct((n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((n, k // 16), jnp.float8_e4m3fn),
+                  jax.ShapeDtypeStruct((), jnp.float32))
+  f = lambda q: nvfp4_dequant.dequantize_NxK(q, block_n=block_n, block_b=block_b, num_warps=num_warps)  # noqa: E731
+  original, buf = pl.pallas_call, io.StringIO()
+  pl.pallas_call = functools.partial(original, debug=True)
+  try:
+    with contextlib.redirect_stdout(buf):
+      jax.jit(f).trace(q).lower(lowering_platforms=("cuda",))
+  finally:
+    pl.pallas_call = original
+  return clean_ir(buf.getvalue())
+
+
+def xla_dequant_main(args, k: int, n: int) -> dict:
+  """--xla-dequant: compile the dequantization kernel for sm_90; print its size per packed byte (no loop: each
+  program runs its instructions once over block_n x block_b x 8 bytes)."""
+  block_n, block_b, num_warps = map(int, args.xla_dequant.split(","))
+  os.makedirs(args.out, exist_ok=True)
+  base = os.path.join(args.out, f"{args.shape}.xla_dequant.{block_n}x{block_b}x{num_warps}")
+  with open(base + ".ttir", "w") as f:
+    f.write(xla_dequant_ir(k, n, block_n, block_b, num_warps))
+  out = compile_sm90(base + ".ttir", num_warps, 1)
+  with open(base + ".sass", "w") as f:
+    f.write(out["sass"])
+  opcodes = opcode_counts(out["sass"])
+  total = sum(opcodes.values())
+  per_byte = total * num_warps / (block_n * block_b * 8)  # warp instructions per packed byte
+  occupancy = programs_per_sm(out["registers"], out["shared_bytes"], num_warps)
+  summary = dict(shape=args.shape, kernel="nvfp4_dequant", block_n=block_n, block_b=block_b, num_warps=num_warps,
+                 instructions=total, registers=out["registers"], shared_bytes=out["shared_bytes"],
+                 warp_instructions_per_byte=round(per_byte, 3), occupancy=occupancy,
+                 opcodes=dict(opcodes.most_common()))
+  with open(base + ".json", "w") as f:
+    json.dump(summary, f, indent=1)
+  print(f"{args.shape} nvfp4_dequant {block_n}x{block_b} blocks, {num_warps} warps: {total} instructions per warp, "
+        f"{out['registers']} registers, {per_byte:.3f} warp instructions per packed byte, "
+        f"{occupancy['programs']} programs per SM; top opcodes {opcodes.most_common(8)}")
+  return summary
+
+
 def clean_ir(debug_text: str) -> str:
   """The module from pallas' debug print, without the location annotations jax's MLIR prints and Triton's
   parser rejects: ' [unknown]', ' "name:"(#locN)', ' loc(#locN)', and the '#locN = ...' table."""
@@ -239,6 +285,8 @@ def main(argv=None):
   p.add_argument("--out", default="/tmp/kernel_sass")
   p.add_argument("--mosaic", default="", metavar="STAGES,TILE_K,DECODE,TILE_N",
                  help="on a GPU: the Mosaic GPU forward kernel with this config (e.g. 4,256,bits,64)")
+  p.add_argument("--xla-dequant", default="", metavar="BLOCK_N,BLOCK_B,NUM_WARPS",
+                 help="the XLA path's Pallas dequantization (qerl_kernels/nvfp4_dequant.py) of --shape instead")
   p.add_argument("--ptx", default="", metavar="FILE",
                  help="assemble this PTX file for sm_90a (e.g. Mosaic GPU's dump) and read its loop; no GPU needed")
   args = p.parse_args(argv)
@@ -249,6 +297,8 @@ def main(argv=None):
   k, n = MODELS[model][layer]
   if args.mosaic:
     return mosaic_main(args, k, n)
+  if args.xla_dequant:
+    return xla_dequant_main(args, k, n)
   cfg = config_lib.get_config(args.direction, args.rows, k, n, "NVIDIA H200")
   if args.block:
     bm, bn, bk, warps, stages = map(int, args.block.split(","))

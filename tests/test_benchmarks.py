@@ -363,6 +363,20 @@ def test_kernel_sass_lowers_the_tuned_kernel_and_reads_its_loop():
   assert kernel_sass.opcode_counts(sass) == {"MOV": 1, "LDG": 1, "LOP3": 1, "HGMMA": 1, "BRA": 2, "EXIT": 1}
 
 
+def test_kernel_sass_lowers_the_xla_paths_dequantization():
+  # kernel_sass --xla-dequant: the Pallas dequantization's Triton IR, what the GPU-free SASS count compiles. Each
+  # program loads its [32, 16, 8] packed bytes and [32, 16] block steps and stores [32, 16, 8] uint32 words once.
+  # (Pallas writes a ref through a swap, so the IR also loads the old words; Triton drops that dead load: the
+  # 7B SASS has 8 LDG.E.64 + 2 LDG.E.128 per thread, the bytes and steps alone.)
+  import re
+  from experiments import kernel_sass
+  ir = kernel_sass.xla_dequant_ir(256, 64, 32, 16, 4)
+  assert ir.startswith("module @nvfp4_dequant") and "tt.func public @nvfp4_dequant(" in ir
+  loads = re.findall(r"tt\.load %\w+ : tensor<([^>]*)>", ir)
+  assert {"32x16x8x!tt.ptr<i8", "32x16x!tt.ptr<f32"} <= set(loads), loads
+  assert re.findall(r"tt\.store %\w+, %\w+ : tensor<([^>]*)>", ir) == ["32x16x8x!tt.ptr<i32"]
+
+
 def test_kernel_sass_lowers_a_group_with_a_branch_per_member():
   # kernel_sass --group: the q|k|v group's launch, one weight operand triple per member and a branch each.
   from experiments import kernel_sass
