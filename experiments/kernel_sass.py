@@ -70,7 +70,6 @@ def triton_ir(direction: str, rows: int, k: int, n: int, cfg: config_lib.Nvfp4Ma
   forward with the fused epilogue (bias and a bf16 adapter of this rank: ``fused_lora``). group: the forward
   over a group of weights of these widths (summing to n) in one launch (``qerl_kernels.Nvfp4Group``). norm
   ("plain" or "noise"; with xa_rank): that launch reading a pending RMSNorm of x (``nvfp4_gemv.NormPlan``)."""
-  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
 
   widths = group or (n,)
   packed = tuple(jax.ShapeDtypeStruct((w, k // 2), jnp.uint8) for w in widths)
@@ -105,11 +104,17 @@ def triton_ir(direction: str, rows: int, k: int, n: int, cfg: config_lib.Nvfp4Ma
   else:
     f = lambda a, p, s, g: nvfp4_matmul_bwd_pallas(a, p, s, g, config=cfg)
     a = jax.ShapeDtypeStruct((rows, n), jnp.bfloat16)
+  return lowered_ir(f, a, packed, scale, gs)
+
+
+def lowered_ir(f, *args) -> str:
+  """The Triton IR of the one Pallas kernel in jit(f) lowered for CUDA (jax's debug print, cleaned)."""
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
   original, buf = pl.pallas_call, io.StringIO()
   pl.pallas_call = functools.partial(original, debug=True)  # the kernels look pallas_call up at call time
   try:
     with contextlib.redirect_stdout(buf):
-      jax.jit(f).trace(a, packed, scale, gs).lower(lowering_platforms=("cuda",))
+      jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
   finally:
     pl.pallas_call = original
   return clean_ir(buf.getvalue())
@@ -117,21 +122,13 @@ def triton_ir(direction: str, rows: int, k: int, n: int, cfg: config_lib.Nvfp4Ma
 
 def xla_dequant_ir(k: int, n: int, block_n: int, block_b: int, num_warps: int) -> str:
   """Triton IR of the XLA path's Pallas dequantization (`qerl_kernels.nvfp4_dequant`) of one [K, N] weight."""
-  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
   from qerl_jax.quant.types import NVFP4Tensor  # pylint: disable=import-outside-toplevel
   from qerl_kernels import nvfp4_dequant  # pylint: disable=import-outside-toplevel
 
   q = NVFP4Tensor(jax.ShapeDtypeStruct((n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((n, k // 16), jnp.float8_e4m3fn),
                   jax.ShapeDtypeStruct((), jnp.float32))
-  f = lambda q: nvfp4_dequant.dequantize_NxK(q, block_n=block_n, block_b=block_b, num_warps=num_warps)  # noqa: E731
-  original, buf = pl.pallas_call, io.StringIO()
-  pl.pallas_call = functools.partial(original, debug=True)
-  try:
-    with contextlib.redirect_stdout(buf):
-      jax.jit(f).trace(q).lower(lowering_platforms=("cuda",))
-  finally:
-    pl.pallas_call = original
-  return clean_ir(buf.getvalue())
+  return lowered_ir(lambda q: nvfp4_dequant.dequantize_NxK(q, block_n=block_n, block_b=block_b, num_warps=num_warps),
+                    q)
 
 
 def xla_dequant_main(args, k: int, n: int) -> dict:
