@@ -1,9 +1,9 @@
 """An NVFP4 weight to 16 bits in one Pallas launch, bit for bit `qerl_jax.quant.nvfp4.dequantize_NxK`.
 
-From ``xla_min_rows`` on, an NVFP4 matmul dequantizes one layer and calls XLA's dot (`nvfp4_matmul_reference`).
-At 16-2048 rows XLA took that dequantization into no GEMM, and its fusion wrote a 7B gate weight (68M values, 136 MB
-of bf16) in 156-187 us on an H100, 0.7-0.9 TB/s, where the bytes take ~65 us at the copy bandwidth
-(experiments/RESULTS.md, "Where the XLA path stands"): the XLA path's whole excess over the bf16 dot.
+From ``xla_min_rows`` on, an NVFP4 matmul dequantizes one layer and calls XLA's dot (`nvfp4_matmul.xla_path_matmul`).
+At 16-2048 rows XLA took that dequantization into no GEMM: for a 7B gate weight (68M values, 136 MB of bf16) the
+XLA path cost 156-184 us more than the bf16 dot on an H100, about one dequantization at 0.7-0.9 TB/s, where the
+bytes take ~65 us at the copy bandwidth (experiments/RESULTS.md, "Where the XLA path stands").
 
 Each program writes a [block_n, block_b, 8] tile of uint32 words (`nvfp4.byte_words`): word (n, b, j) holds the
 two 16-bit values of packed byte (n, 8 b + j), the low nibble's in the low half. Read as 16-bit values on a

@@ -67,13 +67,23 @@ def is_stacked(q: NVFP4Tensor | Nvfp4Group) -> bool:
 
 
 def nvfp4_matmul_reference(x: jax.Array, q: NVFP4Tensor | Nvfp4Group, **dot_kwargs) -> jax.Array:
-  """The XLA reference: dequantize to x's dtype, then a plain dot. x [..., K] -> [..., N]. One layer is dotted in
-  its stored [N, K] layout: the GEMM reads either operand order, so no transpose of the dequantized weight is asked
-  of XLA. ``dot_kwargs``: e.g. preferred_element_type, for the epilogue's float32 sum."""
+  """The pure-jnp reference: dequantize to x's dtype, then a plain dot. x [..., K] -> [..., N]. One layer is dotted
+  in its stored [N, K] layout: the GEMM reads either operand order, so no transpose of the dequantized weight is
+  asked of XLA. ``dot_kwargs``: e.g. preferred_element_type, for the epilogue's float32 sum."""
+  return _dot_dequantized(x, q, quant.dequantize_NxK, **dot_kwargs)
+
+
+def xla_path_matmul(x: jax.Array, q: NVFP4Tensor | Nvfp4Group, **dot_kwargs) -> jax.Array:
+  """What implementation="xla" runs: `nvfp4_matmul_reference`'s values, each layer dequantized by `dequantize_layer`
+  (the Pallas kernel where the device's tuning opts in)."""
+  return _dot_dequantized(x, q, dequantize_layer, **dot_kwargs)
+
+
+def _dot_dequantized(x, q, dequantize_NxK, **dot_kwargs) -> jax.Array:
   if is_stacked(q):
     return jnp.matmul(x, dequantize(q, x.dtype), **dot_kwargs)
   members = q.members if isinstance(q, Nvfp4Group) else (q,)
-  w_NxK = jnp.concatenate([dequantize_layer(m, x.dtype) for m in members], axis=0)
+  w_NxK = jnp.concatenate([dequantize_NxK(m, x.dtype) for m in members], axis=0)
   return jnp.einsum("...k,nk->...n", x, w_NxK, **dot_kwargs)
 
 
@@ -269,8 +279,8 @@ def _nvfp4_matmul_jit(x, q, layer, xa, b, bias, *, implementation, interpret, fw
 def _reference_with_epilogue(x_MxK, q, xa_MxR, b_RxN, bias_N, lora_scale):
   """The XLA path with the kernels' epilogue: float32 sum of the three terms, rounded once."""
   if xa_MxR is None and bias_N is None:
-    return nvfp4_matmul_reference(x_MxK, q)
-  y = nvfp4_matmul_reference(x_MxK, q, preferred_element_type=jnp.float32)
+    return xla_path_matmul(x_MxK, q)
+  y = xla_path_matmul(x_MxK, q, preferred_element_type=jnp.float32)
   return nvfp4_epilogue.add_in_xla(y, xa_MxR, b_RxN, bias_N, lora_scale).astype(x_MxK.dtype)
 
 
