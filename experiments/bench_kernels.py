@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import provenance
+from experiments.bench_dot_forms import hlo_launches
 from experiments.bench_rollout import copy_bandwidth
 from qerl_kernels import config as config_lib
 from qerl_kernels.config import Nvfp4MatmulConfig
@@ -353,7 +354,6 @@ def bench_xla(direction, k, n, rows, key, bf16_cache, bw, dtype=jnp.bfloat16):
   err = _rel_err(direction, jax.jit(op)(a, ws[0]), a, reference)
   if not err < 1e-2:
     raise RuntimeError(f"xla path {direction} k={k} n={n} rows={rows}: relative error {err}")
-  from experiments.bench_dot_forms import hlo_launches  # pylint: disable=import-outside-toplevel
   launches, fused = hlo_launches(jax.jit(op).lower(a, ws[0]).compile().as_text())
   timed = _time_loop(op, a, ws)
   return _record(direction, k, n, rows, timed, bf16_cache.get((direction, k, n, rows)), bw,

@@ -55,30 +55,41 @@ def launch_fields(f, *args) -> dict:
   return {"launches": launches, "fused_gemm": fused}
 
 
-def pallas_forms(base, x, q, shipped, w_bf16, moved, bf16_us, reps) -> list[dict]:
-  """The Pallas dequantization (`qerl_kernels.nvfp4_dequant`, opt-in as "xla_dequant": "pallas") alone and under
-  the [N, K] dot, checked bit for bit against the shipped weight first (interpret mode on a CPU)."""
+def forms(base: dict, q) -> dict:
+  """{name: (q -> bf16 [N, K] weight, the dot layouts to time it under)}: DECODES with both layouts, and where its
+  blocks tile the shape the Pallas dequantization (`qerl_kernels.nvfp4_dequant`, opt-in as "xla_dequant": "pallas";
+  interpret mode on a CPU) under the shipped [N, K] dot, its launch fields recorded."""
+  out = {name: (lambda q, kw=kw: nvfp4.dequantize_NxK(q, **kw), tuple(LAYOUTS), {}) for name, kw in DECODES.items()}
   interpret = jax.devices()[0].platform == "cpu"
   launch = config_lib.decode_launch("dequant", interpret)
   if interpret:  # the smoke test's tiny shape: the largest power-of-two blocks that tile it
     launch = dict(launch, block_n=math.gcd(launch["block_n"], base["n"]),
                   block_b=math.gcd(launch["block_b"], base["k"] // 16))
-  if not nvfp4_dequant.supports(q, jnp.bfloat16, launch["block_n"], launch["block_b"]):
-    return []
-  blocks = dict(block_n=launch["block_n"], block_b=launch["block_b"], interpret=interpret)
-  deq = jax.jit(lambda q: nvfp4_dequant.dequantize_NxK(q, jnp.bfloat16, **blocks))
+  if nvfp4_dequant.supports(q, jnp.bfloat16, launch["block_n"], launch["block_b"]):
+    blocks = dict(block_n=launch["block_n"], block_b=launch["block_b"], interpret=interpret)
+    out["pallas"] = (lambda q: nvfp4_dequant.dequantize_NxK(q, jnp.bfloat16, **blocks), ("nk",), {"launch": launch})
+  return out
+
+
+def time_form(base: dict, name: str, dequant, layouts, extra: dict, x, q, shipped, w_bf16, bf16_us, reps) -> list:
+  """One form's records: its dequantization alone (checked bit for bit against the shipped weight first), then
+  under each dot layout (checked within one bf16 rounding of float64 first)."""
+  moved = q.packed_NxKh.size + q.scale_NxKb.size + 2 * shipped.size  # bytes: codes, scales in; bf16 out
+  deq = jax.jit(dequant)
   if not np.array_equal(np.asarray(deq(q)).view(np.uint16), np.asarray(shipped).view(np.uint16)):
-    raise SystemExit(f"{base['shape']}: the Pallas dequantization differs from the shipped one")
+    raise SystemExit(f"{base['shape']}: the {name} form's weight differs from the shipped dequantization")
   deq_us = timed(deq, (q,), reps)
-  f = jax.jit(lambda x, q: LAYOUTS["nk"](x, nvfp4_dequant.dequantize_NxK(q, jnp.bfloat16, **blocks)))
-  err = check_error(f(x, q), x, w_bf16)
-  if err > 1.01:
-    raise SystemExit(f"{base['shape']}: pallas_nk is {err:.2f} bf16 roundings from float64")
-  us = timed(f, (x, q), reps)
-  return [dict(base, form="pallas_dequant_only", us=round(deq_us, 1), gb_per_s=round(moved / deq_us / 1e3, 1),
-               **launch_fields(deq, q), launch=launch),
-          dict(base, form="pallas_nk", us=round(us, 1), over_bf16_us=round(us - bf16_us, 1),
-               err_roundings=round(err, 3), **launch_fields(f, x, q))]
+  records = [dict(base, form=f"{name}_dequant_only", us=round(deq_us, 1), gb_per_s=round(moved / deq_us / 1e3, 1),
+                  **launch_fields(deq, q), **extra)]
+  for lname in layouts:
+    f = jax.jit(lambda x, q, dot=LAYOUTS[lname]: dot(x, dequant(q)))
+    err = check_error(f(x, q), x, w_bf16)
+    if err > 1.01:
+      raise SystemExit(f"{base['shape']}: {name}_{lname} is {err:.2f} bf16 roundings from float64")
+    us = timed(f, (x, q), reps)
+    records.append(dict(base, form=f"{name}_{lname}", us=round(us, 1), over_bf16_us=round(us - bf16_us, 1),
+                        err_roundings=round(err, 3), **launch_fields(f, x, q)))
+  return records
 
 
 def main(argv=None) -> list[dict]:
@@ -91,30 +102,15 @@ def main(argv=None) -> list[dict]:
     q = quant.quantize(0.02 * jax.random.normal(kw, (k, n), jnp.float32), "nvfp4")
     shipped = jax.jit(lambda q: nvfp4.dequantize_NxK(q, jnp.bfloat16))(q)
     w_bf16 = jnp.asarray(shipped.T)
-    moved = q.packed_NxKh.size + q.scale_NxKb.size + 2 * shipped.size  # bytes: codes, scales in; bf16 out
     base = dict(shape=f"qwen2.5-7b.{name}" if name in SHAPES else name, rows=args.rows, k=k, n=n, commit=commit(),
                 device=device)
     bf16_us = timed(jax.jit(jnp.matmul), (x, w_bf16), args.reps)
-    records.append(dict(base, form="bf16_weight", us=round(bf16_us, 1)))
-    for dname, form in DECODES.items():
-      deq = jax.jit(lambda q, form=form: nvfp4.dequantize_NxK(q, **form))
-      got = deq(q)
-      if not np.array_equal(np.asarray(got).view(np.uint16), np.asarray(shipped).view(np.uint16)):
-        raise SystemExit(f"{name}: the {dname} decode's weight differs from the shipped dequantization")
-      deq_us = timed(deq, (q,), args.reps)
-      records.append(dict(base, form=f"{dname}_dequant_only", us=round(deq_us, 1),
-                          gb_per_s=round(moved / deq_us / 1e3, 1), **launch_fields(deq, q)))
-      for lname, dot in LAYOUTS.items():
-        f = jax.jit(lambda x, q, form=form, dot=dot: dot(x, nvfp4.dequantize_NxK(q, **form)))
-        err = check_error(f(x, q), x, w_bf16)
-        if err > 1.01:
-          raise SystemExit(f"{name}: {dname}_{lname} is {err:.2f} bf16 roundings from float64")
-        us = timed(f, (x, q), args.reps)
-        records.append(dict(base, form=f"{dname}_{lname}", us=round(us, 1), over_bf16_us=round(us - bf16_us, 1),
-                            err_roundings=round(err, 3), **launch_fields(f, x, q)))
-    records += pallas_forms(base, x, q, shipped, w_bf16, moved, bf16_us, args.reps)
-    for r in records[-12:]:
+    shape_records = [dict(base, form="bf16_weight", us=round(bf16_us, 1))]
+    for form, (dequant, layouts, extra) in forms(base, q).items():
+      shape_records += time_form(base, form, dequant, layouts, extra, x, q, shipped, w_bf16, bf16_us, args.reps)
+    for r in shape_records:
       print(json.dumps(r), flush=True)
+    records += shape_records
   if not args.smoke:
     append_records(args.out, records)
   print(f"\n{'shape':<22}{'form':<22}{'us':>10}{'over bf16':>11}{'GB/s':>8}")

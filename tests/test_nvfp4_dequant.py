@@ -6,22 +6,21 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
 from qerl_jax.quant import nvfp4
 from qerl_jax.quant.types import NVFP4Tensor
 from qerl_kernels import config as config_lib, nvfp4_dequant
+from tests import test_kernels
 from tests.triton_lowering import lower_for_cuda
 
 
 def _random_q(rng, k, n) -> NVFP4Tensor:
-  """Every byte value, block scales across e4m3's range (subnormals included), a random global scale."""
-  packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
-  scale = np.exp2(rng.uniform(-9, 8.7, (n, k // 16))).astype(ml_dtypes.float8_e4m3fn)
-  gs = np.float32(np.exp2(rng.uniform(-4, 12)))
-  return NVFP4Tensor(jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(gs))
+  """test_kernels' random weight (every byte value, block scales across e4m3's range, subnormals included) with its
+  global scale drawn over 2**-4 .. 2**12, so the steps reach bf16's subnormals too."""
+  q = test_kernels._random_q(rng, k, n)
+  return NVFP4Tensor(q.packed_NxKh, q.scale_NxKb, jnp.asarray(np.float32(np.exp2(rng.uniform(-4, 12)))))
 
 
 @pytest.mark.parametrize("k,n,block_n,block_b", [(512, 64, 32, 32), (1024, 96, 32, 16), (256, 128, 64, 16)])
@@ -36,7 +35,7 @@ def test_kernel_equals_the_library_dequantization_bit_for_bit(k, n, block_n, blo
   words = nvfp4.dequantize_NxK(q, dtype, words=True)
   np.testing.assert_array_equal(np.asarray(words).view(np.uint16), np.asarray(want).view(np.uint16))
   # And against an independent NumPy formula: E2M1[code] * (scale / gs) in float32, low nibble first, rounded once.
-  e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+  e2m1 = test_kernels.E2M1.astype(np.float32)
   packed = np.asarray(q.packed_NxKh)
   codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, k)
   step = np.asarray(q.scale_NxKb).astype(np.float32) / np.asarray(q.global_scale, np.float32)
