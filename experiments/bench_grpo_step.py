@@ -99,10 +99,11 @@ def run_one(args) -> dict:
   mesh = None if all(v == 1 for v in mesh_spec.values()) else sharding.make_mesh(mesh_spec)
   mesh_shape = sharding.mesh_shape(mesh_spec, jax.device_count()) if mesh is not None else (1, 1, 1)
   on_gpu = jax.default_backend() == "gpu"
+  xla_min_rows = kernels.xla_min_rows() if on_gpu else None
   plan = memory.plan(config, args.quant, rows, args.prompt_len, args.new_tokens, mesh_shape, args.lora_rank,
                      args.micro_batch, args.remat, logprob_chunk=args.logprob_chunk, vocab_chunk=args.vocab_chunk,
                      fused_kernel=args.quant == "nvfp4" and on_gpu,
-                     xla_min_rows=kernels.xla_min_rows() if on_gpu else None)
+                     xla_min_rows=xla_min_rows)
   print(plan.table(), file=sys.stderr, flush=True)
   memory.check_fits(plan, memory.device_capacity())
 
@@ -187,7 +188,7 @@ def run_one(args) -> dict:
     rollout_lora_dtype=args.rollout_lora_dtype, rollout_base_dtype=args.rollout_base_dtype,
     train_attention=args.train_attention, train_attention_impl=config.train_attention_impl,
     rollout_merged_launches=",".join(config.merged_launch_groups) if args.quant == "nvfp4" else "",
-    kernel_tuning=kernel_tuning())
+    kernel_tuning=kernel_tuning(), xla_min_rows=xla_min_rows)
 
 
 def main():

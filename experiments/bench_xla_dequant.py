@@ -1,10 +1,11 @@
 """How fast is the NVFP4 XLA path's dequantization, and is its table lookup or its transpose what costs? (one GPU)
 
-From `xla_min_rows` (2048) on, and so in the whole log-prob pass and update, an NVFP4 matmul dequantizes one layer
-to bf16 and calls XLA's dot (`qerl_kernels.nvfp4_matmul_reference`). At d36bfd6 that cost 354 us over the bf16 dot
-at 7B gate|up and 8192 rows on an H200, four times the ~87 us that writing 271 MB of bf16 and reading 76 MB of
-codes and scales takes at ~4 TB/s. Two suspects in the jaxpr: the E2M1 decode is a gather from an 8-entry table,
-and the [N, K] result is transposed to [K, N] before the dot. This times, on the 7B training shapes:
+From `xla_min_rows` on (1024 rows; 2048 when this was written), and so in the whole log-prob pass and update, an
+NVFP4 matmul dequantizes one layer to bf16 and calls XLA's dot (`qerl_kernels.nvfp4_matmul.xla_path_matmul`). At
+d36bfd6 that cost 354 us over the bf16 dot at 7B gate|up and 8192 rows on an H200, four times the ~87 us that
+writing 271 MB of bf16 and reading 76 MB of codes and scales takes at ~4 TB/s. Two suspects in the jaxpr: the E2M1
+decode is a gather from an 8-entry table, and the [N, K] result is transposed to [K, N] before the dot. This times,
+on the 7B training shapes:
 
   "table" / "arith": the decode as a gather from the 8-value table (`table_decode`, shipped until this bench
     came), or as integer ops that build each value's float32 bits (`qerl_jax.quant.e2m1.e2m1_decode` since);

@@ -389,13 +389,16 @@ def xla_min_rows(device_kind: str | None) -> int | None:
   return None if value is None else int(value)
 
 
-XLA_DEQUANT = ("xla", "pallas")
+XLA_DEQUANT = ("xla", "words", "pallas")
 
 
 def xla_dequant(device_kind: str | None) -> str:
-  """Who dequantizes a layer for the XLA path on this device kind: "xla" (XLA's fusion, the default) or "pallas"
-  (`qerl_kernels.nvfp4_dequant`, the same bits in one launch; opt-in until timed), the tuning file's top-level
-  "xla_dequant"."""
+  """How the XLA path dequantizes a layer on this device kind, the tuning file's top-level "xla_dequant": "xla"
+  (XLA's fusion of the integer decode, the default), "words" (XLA's fusion forming each packed byte's two values
+  as one uint32 word, `nvfp4.dequantize_NxK(words=True)`) or "pallas" (`qerl_kernels.nvfp4_dequant`, those words in
+  one launch). The same bits in all three. On an H100 at 7c40c02 (7B, alone) the words ran gate|up in 302 us and
+  the Pallas launch in 472 against XLA's 603, but the Pallas launch moved the 7B GRPO step by -0.02 s (18.70 ->
+  18.68): both stay opt-in ("words" in the step untimed)."""
   return _tuning_file(device_kind).get("xla_dequant", "xla") if device_kind else "xla"
 
 

@@ -21,6 +21,7 @@ from qerl_kernels import config as config_lib, nvfp4_dequant, nvfp4_epilogue
 from qerl_kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
 from qerl_kernels.nvfp4_matmul_fwd import nvfp4_matmul_fwd_pallas
 from qerl_jax import quant
+from qerl_jax.quant import nvfp4
 from qerl_jax.quant.types import NVFP4_BLOCK, NVFP4Tensor
 from qerl_jax.sharding import BATCH
 
@@ -100,11 +101,14 @@ def pallas_dequant_applies(q: NVFP4Tensor, dtype) -> bool:
 
 
 def dequantize_layer(q: NVFP4Tensor, dtype) -> jax.Array:
-  """One layer's [N, K] weight in dtype for the XLA path, the same bits whoever computes them. The weight is a
-  constant of the model's gradient (frozen base), so no tangent is asked of the kernel."""
+  """One layer's [N, K] weight in dtype for the XLA path, the same bits whoever computes them (the tuning file's
+  "xla_dequant" says who). The weight is a constant of the model's gradient (frozen base), so no tangent is asked
+  of the kernel."""
   if pallas_dequant_applies(q, dtype):
     return nvfp4_dequant.dequantize_NxK(jax.tree_util.tree_map(jax.lax.stop_gradient, q), dtype)
-  return quant.dequantize_NxK(q, dtype)
+  if _gpu_supported() and config_lib.xla_dequant(_device_kind()) == "words":
+    return nvfp4.dequantize_NxK(jax.tree_util.tree_map(jax.lax.stop_gradient, q), dtype, words=True)
+  return nvfp4.dequantize_NxK(q, dtype)
 
 
 def check_shapes(x_shape, x_dtype, q: NVFP4Tensor | Nvfp4Group, layer=None) -> tuple[int, int]:

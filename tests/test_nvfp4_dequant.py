@@ -92,3 +92,31 @@ def test_the_xla_path_takes_the_kernel_only_where_the_tuning_opts_in(tmp_path, m
   path.write_text(json.dumps({"xla_dequant": "triton"}))
   with pytest.raises(ValueError, match='"xla_dequant" must be one of'):
     config_lib.xla_dequant("NVIDIA H200")
+
+
+def test_the_xla_path_forms_words_where_the_tuning_says_so(tmp_path, monkeypatch):
+  # "words": XLA's program over one uint32 word per packed byte, the shipped bits; on the CPU (no GPU) and by
+  # default the integer decode the library ships.
+  mm = sys.modules["qerl_kernels.nvfp4_matmul"]
+  rng = np.random.default_rng()
+  q = _random_q(rng, 512, 48)  # a width the Pallas kernel does not tile: "words" does not need it to
+  x = jnp.asarray(rng.standard_normal((4, 512)), jnp.bfloat16)
+  path = tmp_path / "tuning.json"
+  path.write_text(json.dumps({"xla_dequant": "words"}))
+  monkeypatch.setenv("QERL_KERNEL_TUNING", str(path))
+  monkeypatch.setattr(mm, "_device_kind", lambda: "NVIDIA H200")
+
+  def program(dtype):
+    return str(jax.make_jaxpr(lambda q: mm.dequantize_layer(q, dtype))(q))
+
+  for gpu in (False, True):
+    monkeypatch.setattr(mm, "_gpu_supported", lambda gpu=gpu: gpu)
+    for dtype in (jnp.bfloat16, jnp.float16):
+      # the words reach 16 bits by a bitcast (the integer decode bitcasts to float32 only)
+      assert (f"bitcast_convert_type[new_dtype={jnp.dtype(dtype).name}]" in program(dtype)) == gpu
+      np.testing.assert_array_equal(np.asarray(mm.dequantize_layer(q, dtype)).view(np.uint16),
+                                    np.asarray(nvfp4.dequantize_NxK(q, dtype)).view(np.uint16))
+    y = mm.xla_path_matmul(x, q)
+    np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                  np.asarray(jnp.einsum("mk,nk->mn", x, nvfp4.dequantize_NxK(q, jnp.bfloat16)),
+                                             np.float32))
