@@ -188,6 +188,7 @@ def test_bench_grpo_step_smoke_writes_the_phase_split(tmp_path):
     assert r["train_attention"] == "auto" and r["train_attention_impl"] == "xla"  # the CPU's
     assert r["rollout_merged_launches"] == ("qkv,gate_up" if r["quant"] == "nvfp4" else "")  # the default
     assert r["kernel_tuning"] == (os.environ.get("QERL_KERNEL_TUNING") or "shipped")
+    assert r["xla_min_rows"] is None  # no kernels on the CPU: the planner's crossover, as the record replays it
 
 
 def test_records_name_the_kernel_tuning_they_ran_with(monkeypatch):
