@@ -104,11 +104,14 @@ def dequantize_layer(q: NVFP4Tensor, dtype) -> jax.Array:
   """One layer's [N, K] weight in dtype for the XLA path, the same bits whoever computes them (the tuning file's
   "xla_dequant" says who). The weight is a constant of the model's gradient (frozen base), so no tangent is asked
   of the kernel."""
-  if pallas_dequant_applies(q, dtype):
-    return nvfp4_dequant.dequantize_NxK(jax.tree_util.tree_map(jax.lax.stop_gradient, q), dtype)
-  if _gpu_supported() and config_lib.xla_dequant(_device_kind()) == "words":
-    return nvfp4.dequantize_NxK(jax.tree_util.tree_map(jax.lax.stop_gradient, q), dtype, words=True)
-  return nvfp4.dequantize_NxK(q, dtype)
+  mode = config_lib.xla_dequant(_device_kind()) if _gpu_supported() else "xla"
+  if mode == "xla" or (mode == "pallas" and not pallas_dequant_applies(q, dtype)):
+    return nvfp4.dequantize_NxK(q, dtype)
+  # Neither form has a tangent to give (a Pallas call; words bitcast from 16-bit values): say so, as the base is frozen.
+  frozen = jax.tree_util.tree_map(jax.lax.stop_gradient, q)
+  if mode == "pallas":
+    return nvfp4_dequant.dequantize_NxK(frozen, dtype)
+  return nvfp4.dequantize_NxK(frozen, dtype, words=True)
 
 
 def check_shapes(x_shape, x_dtype, q: NVFP4Tensor | Nvfp4Group, layer=None) -> tuple[int, int]:
