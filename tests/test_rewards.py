@@ -148,6 +148,14 @@ def test_format_reward_matches_regex_on_random_texts(rnd):
   assert R.format_reward("<answer>b</answer><think>a</think>") == 0.0
 
 
+def _same_gold(a: str, b: str) -> bool:
+  """Two MATH golds that are one answer: equal but for spaces and a degree mark (MATH's graders drop "^\\circ",
+  so 120^\\circ answers a problem whose gold is 120, and the reward counts it: seed 1161237615 drew that pair)."""
+  def bare(t: str) -> str:
+    return re.sub(r"\^\s*\{?\\circ\}?", "", t).replace(" ", "")
+  return bare(a) == bare(b)
+
+
 def test_math500_real_golds(math_rows, rnd):
   rows = rnd.sample(math_rows, 25)
   for row in rows:
@@ -162,7 +170,7 @@ def test_math500_real_golds(math_rows, rnd):
   wrong = 0
   for row in rows:
     other = rnd.choice(math_rows)["answer"]
-    if other.replace(" ", "") == row["answer"].replace(" ", ""):
+    if _same_gold(other, row["answer"]):
       continue
     wrong += 1
     assert R.math_equivalence(f"<answer>\\boxed{{{other}}}</answer>", row["answer"]) == 0.0, (other, row["answer"])
