@@ -104,7 +104,11 @@ CANDIDATES = {
                 # 2 warps: mma.sync, operands in registers (no shared-memory store of the decoded tile before
                 # wgmma). kernel_sass, 7B gate at 64 rows: 6.05 instructions per weight against 7.30 for the tuned
                 # 4-warp tile; 236 / 175 registers, 4 / 5 programs per SM
-                _C(64, 64, 128, num_warps=2, num_stages=3), _C(64, 64, 64, num_warps=2, num_stages=4)],
+                _C(64, 64, 128, num_warps=2, num_stages=3), _C(64, 64, 64, num_warps=2, num_stages=4),
+                # Ragged K ranges: 7B down_proj's 148 K steps admit no even split past 4 (224 programs, 1.7 per SM in
+                # the batch-64 trace at 7c40c02: 54.9 us per call, 0.7 TB/s); ragged, 448-560
+                _C(64, 64, 128, num_warps=4, num_stages=3, programs_per_sm=3, ragged_split=True),
+                _C(64, 64, 128, num_warps=2, num_stages=3, programs_per_sm=4, ragged_split=True)],
   ("fwd", 256): [_C(64, 128, 64, num_warps=4, num_stages=4), _C(128, 128, 64, num_warps=8, num_stages=3),
                  _C(64, 128, 128, num_warps=4, num_stages=3), _C(128, 64, 128, num_warps=4, num_stages=3)],
   ("fwd", 1 << 30): [_C(128, 128, 64, num_warps=8, num_stages=3), _C(128, 256, 64, num_warps=8, num_stages=3),
