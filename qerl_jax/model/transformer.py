@@ -35,9 +35,8 @@ from flax import nnx
 from qerl_jax.model import attention as attn, linear as linear_lib
 from qerl_jax.model.config import ModelConfig
 from qerl_jax.model.linear import (PROJ_NAMES, Frozen, LayerOf, LoraConfig, Projection, init_loras, linear, linears,
-                                   logical_shape, shared_lora_a)
-from qerl_jax.quant import api as quant_api
-from qerl_jax.quant.types import NVFP4Tensor, is_quantized
+                                   logical_shape)
+from qerl_jax.quant.types import NVFP4Tensor
 
 # Projections that read the same input; their adapters' x @ A run as one matmul (`linears`).
 SHARED_INPUT = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
@@ -49,7 +48,7 @@ TRAINABLE_NORMS = ("input_layernorm", "post_attention_layernorm")
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, *, per_layer: bool = False):
   """An empty KV cache: {"k", "v"} of [L, B, max_len, Hkv, Dh] in `dtype` (default config.dtype).
 
-  per_layer: lists of L arrays [B, max_len, Hkv, Dh] instead, for a forward over `unstack_layers` params
+  per_layer: lists of L arrays [B, max_len, Hkv, Dh] instead, for a forward over `rollout_params.unstack_layers` params
   (each layer then attends and writes its own buffer, with no slice of a stacked one).
   """
   dtype = jnp.dtype(dtype or config.dtype)
@@ -77,8 +76,8 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, h_BxTxD, p, noise, n
   fused = config.fused_lora and b * t <= config.fused_lora_max_rows  # static: decode calls only
   gemv_xa = config.gemv_lora_xa
   decode = kv is not None
-  shared_a = p.get("shared_lora_a", {})  # made once per rollout by `unstack_layers`, else in `linears`
-  merged = p.get("merged", {})  # made once per rollout by `with_merged_launches`
+  shared_a = p.get("shared_lora_a", {})  # made once per rollout by `rollout_params.unstack_layers`, else in `linears`
+  merged = p.get("merged", {})  # made once per rollout by `rollout_params.with_merged_launches`
   on_gpu = jax.default_backend() == "gpu"
   pallas_attention = decode and t == 1 and (config.decode_attention == "pallas"
                                             or config.decode_attention == "auto" and on_gpu)
@@ -215,7 +214,7 @@ def _residual_norm(config: ModelConfig, lora_scale: float, x_BxTxD: jax.Array, i
   return x_BxTxD, attn.rms_norm(x_BxTxD, norm_D, eps, noise_D)
 
 
-def _check_noise(config: ModelConfig, norm_noise: dict[str, jax.Array] | None) -> dict[str, jax.Array]:
+def check_noise(config: ModelConfig, norm_noise: dict[str, jax.Array] | None) -> dict[str, jax.Array]:
   if not norm_noise:
     return {}
   dims = {"input_layernorm": config.hidden_size, "post_attention_layernorm": config.hidden_size,
@@ -233,7 +232,7 @@ def _check_noise(config: ModelConfig, norm_noise: dict[str, jax.Array] | None) -
   return out
 
 
-def _read_in_place(layers: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def read_in_place(layers: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
   """(what the layer scan slices, the stacked NVFP4 weights it leaves whole for the kernels to index).
 
   Slicing a stacked weight inside the scan costs a copy of that layer's weight per use; the NVFP4 kernels
@@ -246,6 +245,11 @@ def _read_in_place(layers: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
   return sliced, whole
 
 
+def with_whole(p: dict[str, Any], whole: dict[str, Any], layer) -> dict[str, Any]:
+  """One layer's sliced parameters with its NVFP4 weights put back as `LayerOf(stack, layer)`."""
+  return {**p, **{name: {**p[name], "w": LayerOf(w, layer)} for name, w in whole.items()}}
+
+
 def forward(params: dict[str, Any], config: ModelConfig, lora_scale: float, tokens_BxT: jax.Array,
             positions_BxT: jax.Array | None = None, *, cache: dict[str, jax.Array] | None = None,
             cache_index: Any = None, valid_BxS: jax.Array | None = None,
@@ -254,7 +258,7 @@ def forward(params: dict[str, Any], config: ModelConfig, lora_scale: float, toke
   if tokens_BxT.ndim != 2:
     raise ValueError(f"tokens must be [B, T], got shape {tokens_BxT.shape}")
   b, t = tokens_BxT.shape
-  noise = _check_noise(config, norm_noise)
+  noise = check_noise(config, norm_noise)
   if cache is None:
     if cache_index is not None:
       raise ValueError("cache_index given without a cache")
@@ -311,7 +315,7 @@ def _cache_rows_and_slots(cache: dict[str, Any]) -> tuple[int, int]:
 def _scanned(layer_fn, x, h, kv, layers: dict[str, Any], noise: dict[str, jax.Array], final_norm: jax.Array,
              num_layers: int):
   """The layers as a `lax.scan` over the stacked parameters (training, and the "scan" decode loop)."""
-  sliced, whole = _read_in_place(layers)
+  sliced, whole = read_in_place(layers)
   # The norm after block l, stacked: block l + 1's input norm, the final norm last (float32: rms_norm's own
   # cast of either scale, so nothing rounds), and its AQN noise (none on the final norm: zeros add nothing).
   norms = layers["input_layernorm"].astype(jnp.float32)
@@ -323,7 +327,7 @@ def _scanned(layer_fn, x, h, kv, layers: dict[str, Any], noise: dict[str, jax.Ar
   def body(carry, xs):
     x, h, kv = carry
     p, layer_noise, next_norm, layer = xs
-    return layer_fn(x, h, kv, _with_whole(p, whole, layer), layer_noise, next_norm, layer), None
+    return layer_fn(x, h, kv, with_whole(p, whole, layer), layer_noise, next_norm, layer), None
 
   xs = (sliced, noise, (next_scale, next_noise), jnp.arange(num_layers, dtype=jnp.int32))
   (x, h, kv), _ = jax.lax.scan(body, (x, h, kv), xs)
@@ -332,7 +336,7 @@ def _scanned(layer_fn, x, h, kv, layers: dict[str, Any], noise: dict[str, jax.Ar
 
 def _unrolled(layer_fn, x, h, kv, layers: list[dict[str, Any]], noise: dict[str, jax.Array],
               final_norm: jax.Array):
-  """The layers as a Python loop over per-layer parameters (`unstack_layers`) and per-layer caches."""
+  """The layers as a Python loop over per-layer parameters (`rollout_params.unstack_layers`) and per-layer caches."""
   new_k, new_v = [], []
   next_noise = noise.get("input_layernorm")
   for layer, p in enumerate(layers):
@@ -345,146 +349,6 @@ def _unrolled(layer_fn, x, h, kv, layers: list[dict[str, Any]], noise: dict[str,
       new_k.append(kv_l[0])
       new_v.append(kv_l[1])
   return x, h, (None if kv is None else (new_k, new_v))
-
-
-def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
-  """`params` with "layers" as a list of per-layer dicts, for a forward that slices nothing per call.
-
-  Every stacked leaf is sliced here, once (a copy of the 16-bit weights, adapters, norms and biases), except
-  the NVFP4 weights, which stay whole as `LayerOf(stack, l)` because the fused kernels read a layer in place.
-  Each layer also gets "shared_lora_a": the concatenated A's of the projections that share an input
-  (`SHARED_INPUT`, `linears`). The rollout does this before its decode loop, so a decode step runs on its own
-  per-layer buffers.
-  """
-  sliced, whole = _read_in_place(params["layers"])
-  num_layers = _num_layers(sliced if jax.tree.leaves(sliced) else whole)
-  per_layer = [_with_shared_a(_with_whole(jax.tree.map(lambda a, layer=layer: a[layer], sliced), whole, layer))
-               for layer in range(num_layers)]
-  return {**params, "layers": per_layer}
-
-
-def with_norm_noise(params: dict[str, Any], config: ModelConfig,
-                    norm_noise: dict[str, jax.Array] | None) -> dict[str, Any]:
-  """`params` with each noised RMSNorm scale replaced by scale + noise in float32 (`forward`'s norm_noise, added
-  once, as `attention.rms_norm` adds it: the same float32 values), so a forward over them takes no noise.
-
-  The rollout does this once before its decode loop: every norm launch, and a gemv that reads a pending norm
-  (ModelConfig.decode_norm_fold), then loads one float32 scale per column instead of a scale and its noise.
-  Stacked layers ([L, D] scales) and per-layer ones (`unstack_layers`) alike.
-  """
-  noise = _check_noise(config, norm_noise)
-  if not noise:
-    return params
-  layers = params["layers"]
-
-  def noised(scale, value):
-    return scale.astype(jnp.float32) + value
-
-  if isinstance(layers, dict):
-    layers = {**layers, **{name: noised(layers[name], value) for name, value in noise.items()}}
-  else:
-    layers = [{**p, **{name: noised(p[name], value[index]) for name, value in noise.items()}}
-              for index, p in enumerate(layers)]
-  return {**params, "layers": layers}
-
-
-def with_adapter_dtype(params: dict[str, Any], dtype) -> dict[str, Any]:
-  """`params` with every layer's LoRA A and B cast to `dtype` (the rest untouched)."""
-  def cast(p):
-    if not isinstance(p, dict) or p.get("lora_a") is None:
-      return p
-    return {**p, "lora_a": p["lora_a"].astype(dtype), "lora_b": p["lora_b"].astype(dtype)}
-  return {**params, "layers": {name: cast(p) for name, p in params["layers"].items()}}
-
-
-def with_dequantized_base(params: dict[str, Any], dtype) -> dict[str, Any]:
-  """`params` with every quantized base weight of the layers as a plain array in `dtype` (the rest untouched).
-
-  Stacked layers (a dict of [L, ...] leaves) get [L, K, N] arrays; per-layer ones (`unstack_layers`, where an
-  NVFP4 weight is `LayerOf(stack, l)`) get layer l's [K, N] alone, so no stacked copy is made on the way.
-  The values are `quant.dequantize`'s, the XLA path's (ModelConfig.rollout_base_dtype).
-  """
-  to_dense = lambda q: quant_api.dequantize(q, dtype)  # noqa: E731
-
-  def dense(p, stacked: bool):
-    w = p.get("w") if isinstance(p, dict) else None
-    if isinstance(w, LayerOf):  # layer l of the stack alone
-      return {**p, "w": to_dense(jax.tree.map(lambda a: a[w.layer], w.stacked))}
-    if not is_quantized(w):
-      return p
-    return {**p, "w": quant_api.dequantize_stacked(w, dtype) if stacked else to_dense(w)}
-
-  layers = params["layers"]
-  if isinstance(layers, dict):
-    return {**params, "layers": {name: dense(p, True) for name, p in layers.items()}}
-  return {**params, "layers": [{name: dense(p, False) for name, p in layer.items()} for layer in layers]}
-
-
-def with_merged_launches(params: dict[str, Any], groups: tuple[str, ...]) -> dict[str, Any]:
-  """Per-layer `params` (`unstack_layers`) with p["merged"][group] for each of ``groups`` whose projections are
-  all NVFP4 (`linear.merged_linears`, ModelConfig.merged_launch_groups).
-
-  The group's weights are not copied: each layer gets `LayerOf(qerl_kernels.Nvfp4Group(the members' stacks),
-  layer)`, which one kernel launch reads member by member in place, each with its own global scale; its biases
-  concatenated, and its adapters' A's concatenated and B's block-diagonal (both padded with zeros to a
-  power-of-two rank), small next to the weights.
-  """
-  from qerl_kernels import Nvfp4Group  # pylint: disable=import-outside-toplevel
-  layers = params["layers"]
-  if not isinstance(layers, (list, tuple)):
-    raise ValueError("with_merged_launches takes per-layer params (unstack_layers)")
-  stacks = {}
-  for group in groups:
-    ws = [layers[0][name]["w"] for name in SHARED_INPUT[group]]
-    if all(isinstance(w, LayerOf) for w in ws):  # NVFP4 read in place (a dense rollout_base_dtype copy: left)
-      stacks[group] = Nvfp4Group(tuple(w.stacked for w in ws))
-  out = []
-  for index, p in enumerate(layers):
-    merged = {group: _merged_group([p[name] for name in SHARED_INPUT[group]], group_w, index)
-              for group, group_w in stacks.items()}
-    out.append({**p, "merged": merged})
-  return {**params, "layers": out}
-
-
-def _merged_group(ps: list[dict[str, Any]], group_w, layer: int) -> dict[str, Any]:
-  """One layer's group weight (`LayerOf` the group of stacks), bias, A's and block-diagonal B's for
-  `linear.merged_linears`."""
-  widths = [p["w"].stacked.shape[1] for p in ps]
-  biases = [p.get("b") for p in ps]
-  out = {"w": LayerOf(group_w, layer), "b": None, "lora_a": None, "lora_b": None}
-  present = [b for b in biases if b is not None]
-  if present:
-    out["b"] = jnp.concatenate([b if b is not None else jnp.zeros((n,), present[0].dtype)
-                                for b, n in zip(biases, widths)])
-  with_lora = [(i, p) for i, p in enumerate(ps) if p.get("lora_a") is not None]
-  if with_lora:
-    # Zero columns up to a power of two: the gemv computes x @ A in its launch only for such ranks (q|k|v at
-    # rank 16 is 48 -> 64); the extra columns of x @ A are zeros that meet zero rows of B.
-    rank = sum(p["lora_a"].shape[-1] for _, p in with_lora)
-    padded = 1 << (rank - 1).bit_length()
-    a = jnp.concatenate([p["lora_a"] for _, p in with_lora], axis=-1)
-    out["lora_a"] = jnp.pad(a, ((0, 0), (0, padded - rank)))
-    starts = np.concatenate([[0], np.cumsum(widths)])
-    b_RxN = jnp.zeros((padded, sum(widths)), with_lora[0][1]["lora_b"].dtype)
-    row = 0
-    for i, p in with_lora:
-      r = p["lora_b"].shape[0]
-      b_RxN = b_RxN.at[row:row + r, starts[i]:starts[i + 1]].set(p["lora_b"])
-      row += r
-    out["lora_b"] = b_RxN
-  return out
-
-
-def _with_shared_a(p: dict[str, Any]) -> dict[str, Any]:
-  """One layer's parameters with "shared_lora_a": {group: [A1 | A2 | ...]} for each `SHARED_INPUT` group."""
-  shared = {group: shared_lora_a([p[name] for name in names]) for group, names in SHARED_INPUT.items()
-            if all(name in p for name in names)}
-  return {**p, "shared_lora_a": {group: a for group, a in shared.items() if a is not None}}
-
-
-def _with_whole(p: dict[str, Any], whole: dict[str, Any], layer) -> dict[str, Any]:
-  """One layer's sliced parameters with its NVFP4 weights put back as `LayerOf(stack, layer)`."""
-  return {**p, **{name: {**p[name], "w": LayerOf(w, layer)} for name, w in whole.items()}}
 
 
 _forward_jit = jax.jit(forward, static_argnums=(1, 2), static_argnames=("return_hidden",))
@@ -516,7 +380,7 @@ class Block(nnx.Module):
     return p
 
 
-def _num_layers(w: Any) -> int:
+def layer_count(w: Any) -> int:
   return jax.tree.leaves(w)[0].shape[0]
 
 
@@ -525,7 +389,7 @@ def _fresh_adapters(key: jax.Array, weights: dict[str, Any], lora: LoraConfig | 
   if lora is None:
     return {}
   names = [name for name in PROJ_NAMES if name in lora.targets]
-  shapes = tuple((_num_layers(weights[n]),) + tuple(logical_shape(weights[n])) for n in names)
+  shapes = tuple((layer_count(weights[n]),) + tuple(logical_shape(weights[n])) for n in names)
   return dict(zip(names, init_loras(key, shapes, lora)))
 
 
