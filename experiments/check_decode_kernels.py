@@ -127,7 +127,7 @@ def model_check(seed: int, interpret: bool) -> dict:
   from flax import nnx
   import qerl_kernels as kernels
   from qerl_jax.model import LoraConfig, ModelConfig, Transformer, init_cache, random_base
-  from qerl_jax.model.rollout_params import unstack_layers, with_merged_launches
+  from qerl_jax.model.param_views import unstack_layers, with_merged_launches
   from qerl_jax.model.transformer import forward
   patched = {}
   if interpret:  # the gemv launches' interpret mode, as the tests run them (put back on return)

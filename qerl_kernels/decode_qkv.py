@@ -112,7 +112,7 @@ def qkv_rows(parts: jax.Array, cos_MxR: jax.Array, sin_MxR: jax.Array, *, heads:
   parts: the q|k|v group launch's split-K partial sums [S, M, (H + 2 Hkv) Dh] (float32; or its finished output
   in ``dtype``, S = 1). cos_MxR, sin_MxR: each row's RoPE table at its position (`attention.rope_cos_sin`).
   xa_PxMxR: float32 partials of x @ [A_q | A_k | A_v | zero padding] and b_RxN the group's block-diagonal B
-  (`rollout_params.with_merged_launches`), every member's rank ``rank``. bias_N: [b_q | b_k | b_v].
+  (`param_views.with_merged_launches`), every member's rank ``rank``. bias_N: [b_q | b_k | b_v].
   """
   _check(parts, cos_MxR, sin_MxR, heads, kv_heads, head_dim, xa_PxMxR, b_RxN, rank, bias_N)
   num_warps = config_lib.decode_launch("qkv_rows", interpret, num_warps=num_warps)["num_warps"]

@@ -141,7 +141,7 @@ def test_norm_noise_is_added_to_the_norm_scales_in_float32():
   # What the rollout does once before its decode loop (`with_norm_noise`): float32 scale + noise in place of each
   # noised scale, stacked or per layer, and no noise passed: the same float32 values, so the same logits as the
   # same layers given the noise (the unrolled loop's XLA program is another, so it is compared with itself).
-  from qerl_jax.model.rollout_params import unstack_layers, with_norm_noise
+  from qerl_jax.model.param_views import unstack_layers, with_norm_noise
   params = model.params()
   for layers in (params, unstack_layers(params)):
     want = np.asarray(forward(layers, config, model.lora_scale, tokens, norm_noise=noise))
@@ -550,7 +550,7 @@ def test_decode_partials_to_pallas_give_the_xla_decode_logits(monkeypatch, loop)
   # prefill (8 rows a call) keeps XLA's path. With config.decode_norm_fold the per-layer loops leave those norms
   # pending for the gemv that reads them (gate|up, the next q|k|v launch), with logits bit-equal to their launch.
   import qerl_kernels as kernels
-  from qerl_jax.model.rollout_params import unstack_layers, with_merged_launches
+  from qerl_jax.model.param_views import unstack_layers, with_merged_launches
   per_layer = loop != "scan"
   seed, config, model, tokens, params = _nvfp4_bf16_case(lora_dtype=jnp.bfloat16, qk_norm=loop != "per_layer_qkv")
   monkeypatch.setattr(kernels, "nvfp4_matmul_xa", functools.partial(kernels.nvfp4_matmul_xa, interpret=True))
@@ -608,7 +608,7 @@ def test_decode_partials_tiles_give_the_same_decode_logits_at_tile_rows(monkeypa
   # no decode kernel runs at these rows. The 16-row prefill (4 rows x 4 tokens, with a cache) takes the norm and
   # SwiGLU kernels too; q|k|v's needs a one-token step.
   import qerl_kernels as kernels
-  from qerl_jax.model.rollout_params import unstack_layers, with_merged_launches
+  from qerl_jax.model.param_views import unstack_layers, with_merged_launches
   seed, config, model, tokens, params = _nvfp4_bf16_case(lora_dtype=jnp.bfloat16, qk_norm=False)
   for name in ("nvfp4_matmul", "nvfp4_matmul_xa", "xa_shares_launch", "nvfp4_matmul_xa_partials",
                "partials_launch_applies"):
@@ -648,7 +648,7 @@ def test_decode_qkv_rows_are_the_xla_steps_rows(monkeypatch):
   import qerl_kernels as kernels
   from qerl_jax.model import attention as attn
   from qerl_jax.model import linear as linear_lib
-  from qerl_jax.model.rollout_params import unstack_layers, with_merged_launches
+  from qerl_jax.model.param_views import unstack_layers, with_merged_launches
   from qerl_jax.model.transformer import _decode_qkv_rows
   seed, config, model, _, params = _nvfp4_bf16_case(lora_dtype=jnp.bfloat16, qk_norm=False)
   for name in ("nvfp4_matmul_xa", "xa_shares_launch", "nvfp4_matmul_xa_partials", "partials_launch_applies"):

@@ -92,7 +92,7 @@ class ModelConfig:
   # same roundings; wherever that gemv does not apply the norm's own launch runs as before. Two launches fewer
   # per layer at 1-2 rows; on the CPU (kernel_sass, 7B gate|up at one row) the gemv's K loop grows 412 -> 434
   # instructions per trip (446 with a separate AQN noise vector, which rollouts no longer pass: they add the noise
-  # to the norm scales once, `rollout_params.with_norm_noise`). Off until timed on a GPU.
+  # to the norm scales once, `param_views.with_norm_noise`). Off until timed on a GPU.
   decode_norm_fold: bool = False
   # The rollout's layer loop (`qerl_jax.rollout.engine`): "unrolled" copies, once per rollout, every layer
   # parameter the NVFP4 kernels cannot read in place (16-bit weights, adapters, norms, biases) into its own

@@ -252,7 +252,7 @@ def merged_linears(x_BxTxK: jax.Array, ps: Sequence[dict[str, Any]], merged: dic
   "b": [b1 | b2 | ...] or None, "lora_a":
   [A1 | A2 | ... | 0] of the projections with adapters (zero columns up to a power-of-two rank) or None,
   "lora_b": those B's block-diagonal [that rank, sum of N] or None}, made once per rollout
-  (`rollout_params.with_merged_launches`). The output is split back per projection. At decode rows the gemv
+  (`param_views.with_merged_launches`). The output is split back per projection. At decode rows the gemv
   computes x @ [A1 | A2 | ...] in the same launch (gemv_xa); up to the fused rows the kernel's epilogue adds
   the bias and the block-diagonal product (its zero blocks add exact zeros); otherwise XLA adds each
   projection's terms as `linear` does.

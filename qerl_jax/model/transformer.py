@@ -48,7 +48,7 @@ TRAINABLE_NORMS = ("input_layernorm", "post_attention_layernorm")
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, *, per_layer: bool = False):
   """An empty KV cache: {"k", "v"} of [L, B, max_len, Hkv, Dh] in `dtype` (default config.dtype).
 
-  per_layer: lists of L arrays [B, max_len, Hkv, Dh] instead, for a forward over `rollout_params.unstack_layers` params
+  per_layer: lists of L arrays [B, max_len, Hkv, Dh] instead, for a forward over `param_views.unstack_layers` params
   (each layer then attends and writes its own buffer, with no slice of a stacked one).
   """
   dtype = jnp.dtype(dtype or config.dtype)
@@ -76,8 +76,8 @@ def _layer(config: ModelConfig, lora_scale: float, x_BxTxD, h_BxTxD, p, noise, n
   fused = config.fused_lora and b * t <= config.fused_lora_max_rows  # static: decode calls only
   gemv_xa = config.gemv_lora_xa
   decode = kv is not None
-  shared_a = p.get("shared_lora_a", {})  # made once per rollout by `rollout_params.unstack_layers`, else in `linears`
-  merged = p.get("merged", {})  # made once per rollout by `rollout_params.with_merged_launches`
+  shared_a = p.get("shared_lora_a", {})  # made once per rollout by `param_views.unstack_layers`, else in `linears`
+  merged = p.get("merged", {})  # made once per rollout by `param_views.with_merged_launches`
   on_gpu = jax.default_backend() == "gpu"
   pallas_attention = decode and t == 1 and (config.decode_attention == "pallas"
                                             or config.decode_attention == "auto" and on_gpu)
@@ -336,7 +336,7 @@ def _scanned(layer_fn, x, h, kv, layers: dict[str, Any], noise: dict[str, jax.Ar
 
 def _unrolled(layer_fn, x, h, kv, layers: list[dict[str, Any]], noise: dict[str, jax.Array],
               final_norm: jax.Array):
-  """The layers as a Python loop over per-layer parameters (`rollout_params.unstack_layers`) and per-layer caches."""
+  """The layers as a Python loop over per-layer parameters (`param_views.unstack_layers`) and per-layer caches."""
   new_k, new_v = [], []
   next_noise = noise.get("input_layernorm")
   for layer, p in enumerate(layers):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from qerl_jax.model import init_cache
-from qerl_jax.model.rollout_params import (unstack_layers, with_adapter_dtype, with_dequantized_base,
+from qerl_jax.model.param_views import (unstack_layers, with_adapter_dtype, with_dequantized_base,
                                            with_merged_launches, with_norm_noise)
 from qerl_jax.model.transformer import forward
 from qerl_jax.rollout.sampling import SamplingParams, sample

@@ -1,10 +1,10 @@
-"""What the rollout does to the model's parameters once, before its decode loop: views of the same weights.
-
-`unstack_layers` gives each layer its own buffers (NVFP4 weights stay whole, read in place as `LayerOf`),
-`with_norm_noise` adds AQN's noise to the RMSNorm scales, `with_adapter_dtype` casts the adapters,
+"""Views of the model's parameters that a rollout makes once, before its decode loop (the 4-bit base stays in
+place unless `with_dequantized_base` is asked for). `qerl_jax.rollout.engine.rollout_params` applies them in this
+order, as the config says: `with_norm_noise` adds AQN's noise to the RMSNorm scales, `with_adapter_dtype` casts the
+adapters, `unstack_layers` gives each layer its own buffers (NVFP4 weights stay whole, read in place as `LayerOf`),
 `with_dequantized_base` makes a 16-bit copy of the 4-bit base (ModelConfig.rollout_base_dtype) and
 `with_merged_launches` groups the projections that read one input into one kernel launch. `transformer.forward`
-runs on any of them; the rollout engine applies them in that order.
+runs on any of them.
 """
 
 from __future__ import annotations
