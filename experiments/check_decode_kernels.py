@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments.provenance import commit  # noqa: E402
+from experiments.provenance import commit, kernel_tuning  # noqa: E402
 
 
 def ulps_apart(got, want) -> dict:
@@ -188,7 +188,7 @@ def main(argv=None):
   from qerl_kernels import config as config_lib
   interpret = jax.default_backend() != "gpu"
   rec = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, commit=commit(),
-             kernel_tuning=os.environ.get("QERL_KERNEL_TUNING", "") or "shipped",
+             kernel_tuning=kernel_tuning(),
              # what the kernels below ran with (each takes its tuned launch fields itself)
              launch={name: config_lib.decode_launch(name, interpret)
                      for name in ("residual_norm", "swiglu", "qkv_rows", "attention")},

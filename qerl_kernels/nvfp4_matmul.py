@@ -92,8 +92,16 @@ def pallas_dequant_applies(q: NVFP4Tensor, dtype) -> bool:
   """Whether the XLA path dequantizes this one-layer weight with the Pallas kernel (`nvfp4_dequant`): a supported
   GPU whose tuning file opts in ("xla_dequant": "pallas"), a 16-bit dtype and a shape its blocks tile, and no mesh
   (XLA has no partitioning rule for a Pallas call: it would gather the layer's FSDP shards to run it whole)."""
-  if not _gpu_supported() or config_lib.xla_dequant(_device_kind()) != "pallas":
-    return False
+  return _xla_dequant_mode() == "pallas" and _pallas_dequant_fits(q, dtype)
+
+
+def _xla_dequant_mode() -> str:
+  """The tuning file's "xla_dequant" on a supported GPU; "xla" elsewhere (CPU, other GPUs)."""
+  return config_lib.xla_dequant(_device_kind()) if _gpu_supported() else "xla"
+
+
+def _pallas_dequant_fits(q: NVFP4Tensor, dtype) -> bool:
+  """No mesh, a 16-bit dtype and a shape the Pallas dequantization's blocks tile."""
   if not jax.sharding.get_abstract_mesh().empty:
     return False
   launch = config_lib.decode_kernel_params("dequant", _device_kind())
@@ -104,8 +112,8 @@ def dequantize_layer(q: NVFP4Tensor, dtype) -> jax.Array:
   """One layer's [N, K] weight in dtype for the XLA path, the same bits whoever computes them (the tuning file's
   "xla_dequant" says who). The weight is a constant of the model's gradient (frozen base), so no tangent is asked
   of the kernel."""
-  mode = config_lib.xla_dequant(_device_kind()) if _gpu_supported() else "xla"
-  if mode == "xla" or (mode == "pallas" and not pallas_dequant_applies(q, dtype)):
+  mode = _xla_dequant_mode()
+  if mode == "xla" or (mode == "pallas" and not _pallas_dequant_fits(q, dtype)):
     return nvfp4.dequantize_NxK(q, dtype)
   # Neither form has a tangent to give (a Pallas call; words bitcast from 16-bit values): say so, as the base is frozen.
   frozen = jax.tree_util.tree_map(jax.lax.stop_gradient, q)
