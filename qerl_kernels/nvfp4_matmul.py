@@ -77,9 +77,11 @@ def nvfp4_matmul_reference(x: jax.Array, q: NVFP4Tensor | Nvfp4Group, **dot_kwar
 def xla_path_matmul(x: jax.Array, q: NVFP4Tensor | Nvfp4Group, **dot_kwargs) -> jax.Array:
   """What implementation="xla" runs: `nvfp4_matmul_reference`'s values, each layer dequantized by `dequantize_layer`
   (the Pallas kernel where the device's tuning opts in)."""
-  # The dequantization waits for x: nothing else orders it, and XLA's GPU scheduler may then start every layer's
-  # at once in an unrolled program (with "words", the 7B rollout's peak went 14.5 -> 22.0 GB at batch 64, H200).
-  x, q = jax.lax.optimization_barrier((x, q))
+  if _xla_dequant_mode() != "xla":
+    # The dequantization waits for x: nothing else orders it, and with "words" XLA's GPU scheduler dequantized the
+    # unrolled prefill's layers up front (7B rollout peak 14.5 -> 19.2 / 22.0 GB at batch 8 / 64, H200, 483586a).
+    # The shipped integer decode was measured without the barrier (14.5 GB), so it keeps that program.
+    x, q = jax.lax.optimization_barrier((x, q))
   return _dot_dequantized(x, q, dequantize_layer, **dot_kwargs)
 
 

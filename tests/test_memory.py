@@ -285,6 +285,14 @@ def test_no_remat_plans_the_residuals_jax_saves_per_layer(query_chunk):
   assert (remat[1].activations - remat[0].activations) // 2 == rows * (prompt + new) * 256 * 2
 
 
+# Recorded steps the planner misses, with why: each ran an opt-in tuning file the planner does not model.
+KNOWN_PLANNER_MISSES = {
+  # "xla_dequant": "words" without a barrier: the prefill's layers dequantized ahead (22.4 GB against 15.8 planned;
+  # RESULTS.md, 483586a). Why "words" is not in the shipped file.
+  ("483586a", "/tmp/w2w.json"),
+}
+
+
 def test_planner_within_25_percent_of_every_recorded_gpu_step_it_plans():
   # Issue 8's check on the GPU runs on record (experiments/results/grpo_step.jsonl). A record counts when it names
   # every setting the planner reads (those since the attention-aware planner: train_attention_impl, remat) and
@@ -309,8 +317,11 @@ def test_planner_within_25_percent_of_every_recorded_gpu_step_it_plans():
                        fused_kernel=r["quant"] == "nvfp4", xla_min_rows=r.get("xla_min_rows", 2048))  # older ones: 2048
     if abs(plan.peak / 1e9 - r["plan_gb"]) > 1e-3:
       continue
-    assert 0.75 <= r["plan_gb"] / r["peak_gb"] <= 1.25, (r["commit"], r["model"], r["quant"], r["plan_gb"],
-                                                        r["peak_gb"])
+    within = 0.75 <= r["plan_gb"] / r["peak_gb"] <= 1.25
+    if (r["commit"], r.get("kernel_tuning")) in KNOWN_PLANNER_MISSES:
+      assert not within, r  # a miss on record stays one; a fixed run is a new record, counted below
+      continue
+    assert within, (r["commit"], r["model"], r["quant"], r["plan_gb"], r["peak_gb"])
     counted.add((r["model"], r["quant"], r["remat"], r["rollout_base_dtype"]))
   assert {("qwen2.5-7b", "nvfp4", True, ""), ("qwen2.5-7b", "bf16", True, ""), ("qwen2.5-32b", "nvfp4", True, ""),
           ("qwen2.5-7b", "nvfp4", False, ""), ("qwen2.5-7b", "nvfp4", True, "bfloat16")} <= counted, counted
