@@ -108,7 +108,12 @@ CANDIDATES = {
                 # Ragged K ranges: 7B down_proj's 148 K steps admit no even split past 4 (224 programs, 1.7 per SM in
                 # the batch-64 trace at 7c40c02: 54.9 us per call, 0.7 TB/s); ragged, 448-560
                 _C(64, 64, 128, num_warps=4, num_stages=3, programs_per_sm=3, ragged_split=True),
-                _C(64, 64, 128, num_warps=2, num_stages=3, programs_per_sm=4, ragged_split=True)],
+                _C(64, 64, 128, num_warps=2, num_stages=3, programs_per_sm=4, ragged_split=True),
+                # 2 warps (shipped since 483586a's profile) over 128 columns: each program reads x's K range for
+                # twice the columns, so x's re-reads from L2 halve (gate|up: 272 -> 136 MB per call against 76 MB
+                # of weights). kernel_sass, 7B gate: 5.20 instructions per weight against 6.05, 253 registers, 4
+                # programs per SM, no spills (the gate|up group with the epilogue: 255, 16 bytes spilled)
+                _C(64, 128, 64, num_warps=2, num_stages=3), _C(64, 128, 64, num_warps=2, num_stages=4)],
   ("fwd", 256): [_C(64, 128, 64, num_warps=4, num_stages=4), _C(128, 128, 64, num_warps=8, num_stages=3),
                  _C(64, 128, 128, num_warps=4, num_stages=3), _C(128, 64, 128, num_warps=4, num_stages=3)],
   ("fwd", 1 << 30): [_C(128, 128, 64, num_warps=8, num_stages=3), _C(128, 256, 64, num_warps=8, num_stages=3),
