@@ -188,7 +188,7 @@ def run_one(args) -> dict:
     rollout_lora_dtype=args.rollout_lora_dtype, rollout_base_dtype=args.rollout_base_dtype,
     train_attention=args.train_attention, train_attention_impl=config.train_attention_impl,
     rollout_merged_launches=",".join(config.merged_launch_groups) if args.quant == "nvfp4" else "",
-    kernel_tuning=kernel_tuning(), xla_min_rows=xla_min_rows)
+    kernel_tuning=kernel_tuning(), xla_min_rows=xla_min_rows, xla_dequant=kernels.xla_dequant())
 
 
 def main():

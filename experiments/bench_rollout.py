@@ -140,6 +140,7 @@ def _time_rollout(args, config, graphdef, state, weight_bytes, bw, batch):
   import jax
   import jax.numpy as jnp
   import numpy as np
+  import qerl_kernels as kernels
   from qerl_jax.rollout.engine import rollout
   from qerl_jax.rollout.sampling import SamplingParams
   prompt_len, new = args.prompt_len, args.new_tokens
@@ -176,7 +177,7 @@ def _time_rollout(args, config, graphdef, state, weight_bytes, bw, batch):
               decode_partials_tiles=args.decode_partials_tiles, decode_norm_fold=args.decode_norm_fold,
               rollout_merged_launches=",".join(config.merged_launch_groups),
               xla_flags=os.environ.get("XLA_FLAGS", ""),
-              kernel_tuning=kernel_tuning())
+              kernel_tuning=kernel_tuning(), xla_dequant=kernels.xla_dequant())
 
 
 def merged_groups(spec: str, quant: str) -> tuple[str, ...] | None:

@@ -77,7 +77,7 @@ def nvfp4_matmul_reference(x: jax.Array, q: NVFP4Tensor | Nvfp4Group, **dot_kwar
 def xla_path_matmul(x: jax.Array, q: NVFP4Tensor | Nvfp4Group, **dot_kwargs) -> jax.Array:
   """What implementation="xla" runs: `nvfp4_matmul_reference`'s values, each layer dequantized by `dequantize_layer`
   (the Pallas kernel where the device's tuning opts in)."""
-  if _xla_dequant_mode() != "xla":
+  if xla_dequant() != "xla":
     # The dequantization waits for x: nothing else orders it, and with "words" XLA's GPU scheduler dequantized the
     # unrolled prefill's layers up front (7B rollout peak 14.5 -> 19.2 / 22.0 GB at batch 8 / 64, H200, 483586a).
     # The shipped integer decode was measured without the barrier (14.5 GB), so it keeps that program.
@@ -97,11 +97,12 @@ def pallas_dequant_applies(q: NVFP4Tensor, dtype) -> bool:
   """Whether the XLA path dequantizes this one-layer weight with the Pallas kernel (`nvfp4_dequant`): a supported
   GPU whose tuning file opts in ("xla_dequant": "pallas"), a 16-bit dtype and a shape its blocks tile, and no mesh
   (XLA has no partitioning rule for a Pallas call: it would gather the layer's FSDP shards to run it whole)."""
-  return _xla_dequant_mode() == "pallas" and _pallas_dequant_fits(q, dtype)
+  return xla_dequant() == "pallas" and _pallas_dequant_fits(q, dtype)
 
 
-def _xla_dequant_mode() -> str:
-  """The tuning file's "xla_dequant" on a supported GPU; "xla" elsewhere (CPU, other GPUs)."""
+def xla_dequant() -> str:
+  """How the XLA path dequantizes a layer here: the tuning file's "xla_dequant" on a supported GPU, "xla" elsewhere
+  (CPU, other GPUs). Benchmarks record it: it moves the peak memory the planner does not model."""
   return config_lib.xla_dequant(_device_kind()) if _gpu_supported() else "xla"
 
 
@@ -117,7 +118,7 @@ def dequantize_layer(q: NVFP4Tensor, dtype) -> jax.Array:
   """One layer's [N, K] weight in dtype for the XLA path, the same bits whoever computes them (the tuning file's
   "xla_dequant" says who). The weight is a constant of the model's gradient (frozen base), so no tangent is asked
   of the kernel."""
-  mode = _xla_dequant_mode()
+  mode = xla_dequant()
   if mode == "xla" or (mode == "pallas" and not _pallas_dequant_fits(q, dtype)):
     return nvfp4.dequantize_NxK(q, dtype)
   # Neither form has a tangent to give (a Pallas call; words bitcast from 16-bit values): say so, as the base is frozen.

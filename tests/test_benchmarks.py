@@ -151,6 +151,7 @@ def test_bench_rollout_smoke_writes_one_line_per_quant(tmp_path):
       assert field in r, field
     assert r["commit"] == "test" and r["tokens_per_s"] > 0 and r["batch"] == 2
     assert r["kernel_tuning"] == os.environ.get("QERL_KERNEL_TUNING", "shipped")
+    assert r["xla_dequant"] == "xla"  # the CPU's, whatever a tuning file says
 
 
 def test_bench_rollout_transformers_peer_runs(tmp_path):
@@ -189,6 +190,7 @@ def test_bench_grpo_step_smoke_writes_the_phase_split(tmp_path):
     assert r["rollout_merged_launches"] == ("qkv,gate_up" if r["quant"] == "nvfp4" else "")  # the default
     assert r["kernel_tuning"] == (os.environ.get("QERL_KERNEL_TUNING") or "shipped")
     assert r["xla_min_rows"] is None  # no kernels on the CPU: the planner's crossover, as the record replays it
+    assert r["xla_dequant"] == "xla"
 
 
 def test_records_name_the_kernel_tuning_they_ran_with(monkeypatch):

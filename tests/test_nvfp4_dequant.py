@@ -11,6 +11,7 @@ import pytest
 
 from qerl_jax.quant import nvfp4
 from qerl_jax.quant.types import NVFP4Tensor
+import qerl_kernels as kernels
 from qerl_kernels import config as config_lib, nvfp4_dequant
 from tests import test_kernels
 from tests.triton_lowering import lower_for_cuda
@@ -111,6 +112,7 @@ def test_the_xla_path_forms_words_where_the_tuning_says_so(tmp_path, monkeypatch
 
   for gpu in (False, True):
     monkeypatch.setattr(mm, "_gpu_supported", lambda gpu=gpu: gpu)
+    assert kernels.xla_dequant() == ("words" if gpu else "xla")  # what the benchmarks record
     for dtype in (jnp.bfloat16, jnp.float16):
       # the words reach 16 bits by a bitcast (the integer decode bitcasts to float32 only)
       assert (f"bitcast_convert_type[new_dtype={jnp.dtype(dtype).name}]" in program(dtype)) == gpu
