@@ -135,6 +135,9 @@ def run_one(args) -> dict:
   sampling = SamplingParams(temperature=1.0)
 
   last_batch = {}
+  # The device's peak after each phase of the first step: the peak only grows, so the phase where it jumps is the
+  # one that set it (the "words" run at 483586a peaked 8 GB over its plan with no way to tell which phase).
+  phase_peak_gb = {}
 
   def step(seed, state):
     timings = {}
@@ -144,6 +147,7 @@ def run_one(args) -> dict:
                   max_new_tokens=args.new_tokens, stop_ids=(), pad_id=0)
     out = jax.block_until_ready(out)
     timings["rollout_s"] = time.perf_counter() - t0
+    phase_peak_gb.setdefault("rollout", _peak_gb())
     batch = {"prompt_BxP": prompt, "prompt_valid_BxP": valid, "completion_BxN": out.tokens_BxN,
              "mask_BxN": out.mask_BxN, "truncated_B": ~out.finished_B,
              "advantages_B": jnp.asarray(rng.standard_normal(rows), jnp.float32),
@@ -154,10 +158,12 @@ def run_one(args) -> dict:
     t0 = time.perf_counter()
     jax.block_until_ready(logprobs(state.params, frozen, batch))
     timings["logprob_s"] = time.perf_counter() - t0
+    phase_peak_gb.setdefault("logprob", _peak_gb())
     t0 = time.perf_counter()
     state, metrics, _ = update(state, frozen, batch, jnp.asarray(True))
     metrics = jax.device_get(metrics)
     timings["update_s"] = time.perf_counter() - t0
+    phase_peak_gb.setdefault("update", _peak_gb())
     return state, timings, metrics
 
   with sharding.mesh_context(mesh):  # as in the trainer: the fused kernel maps over each device's rows
@@ -177,7 +183,7 @@ def run_one(args) -> dict:
   step_s = sum(timings.values())
   return dict(
     model=args.model, quant=args.quant, devices=jax.device_count(), mesh=mesh_shape, step_s=step_s,
-    **timings, first_step_s=first_s, includes_compile=args.steps == 1, peak_gb=_peak_gb(),
+    **timings, first_step_s=first_s, includes_compile=args.steps == 1, peak_gb=_peak_gb(), phase_peak_gb=phase_peak_gb,
     plan_gb=plan.peak / 1e9,
     plan=plan.as_dict(), loss=float(metrics["loss"]), grad_norm=float(metrics["grad_norm"]), prompts=args.prompts,
     samples=args.samples, prompt_len=args.prompt_len, new_tokens=args.new_tokens, micro_batch=args.micro_batch,

@@ -191,6 +191,9 @@ def test_bench_grpo_step_smoke_writes_the_phase_split(tmp_path):
     assert r["kernel_tuning"] == (os.environ.get("QERL_KERNEL_TUNING") or "shipped")
     assert r["xla_min_rows"] is None  # no kernels on the CPU: the planner's crossover, as the record replays it
     assert r["xla_dequant"] == "xla"
+    peaks = r["phase_peak_gb"]  # the peak after each phase of the first step, in order: it only grows
+    assert list(peaks) == ["rollout", "logprob", "update"]
+    assert peaks["rollout"] <= peaks["logprob"] <= peaks["update"] <= r["peak_gb"]
 
 
 def test_records_name_the_kernel_tuning_they_ran_with(monkeypatch):
