@@ -149,10 +149,11 @@ def test_format_reward_matches_regex_on_random_texts(rnd):
 
 
 def _same_gold(a: str, b: str) -> bool:
-  """Two MATH golds that are one answer: equal but for spaces and a degree mark (MATH's graders drop "^\\circ",
-  so 120^\\circ answers a problem whose gold is 120, and the reward counts it: seed 1161237615 drew that pair)."""
+  """Two MATH golds that are one answer: equal but for spaces, a degree mark and a dollar sign (MATH's graders drop
+  "^\\circ" and "\\$", so 120^\\circ answers a problem whose gold is 120, and the reward counts it: seed 1161237615
+  drew that pair, and seed 764947940 \\$36 against 36^\\circ)."""
   def bare(t: str) -> str:
-    return re.sub(r"\^\s*\{?\\circ\}?", "", t).replace(" ", "")
+    return re.sub(r"\^\s*\{?\\circ\}?", "", t).replace("\\$", "").replace(" ", "")
   return bare(a) == bare(b)
 
 
