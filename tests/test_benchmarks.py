@@ -37,6 +37,7 @@ def test_bench_kernels_times_tile_gemv_and_xla_paths_after_checking_them(tmp_pat
       assert field in r, field
     assert r["shape"] == "qwen2.5-tiny.down" and (r["k"], r["n"]) == (96, 64)
     assert r["kernel_tuning"] == (os.environ.get("QERL_KERNEL_TUNING") or "shipped")
+    assert r["xla_dequant"] == "xla"  # the XLA path's dequantization on the CPU
     if r["implementation"] in ("pallas", "xla"):
       assert r["check_rel_err"] < 1e-2
   # The XLA path's records time the shipped path and count its launches (on the CPU no Triton GEMM is emitted).
