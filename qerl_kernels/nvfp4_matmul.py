@@ -93,22 +93,17 @@ def _dot_dequantized(x, q, dequantize_NxK, **dot_kwargs) -> jax.Array:
   return jnp.einsum("...k,nk->...n", x, w_NxK, **dot_kwargs)
 
 
-def pallas_dequant_applies(q: NVFP4Tensor, dtype) -> bool:
-  """Whether the XLA path dequantizes this one-layer weight with the Pallas kernel (`nvfp4_dequant`): a supported
-  GPU whose tuning file opts in ("xla_dequant": "pallas"), a 16-bit dtype and a shape its blocks tile, and no mesh
-  (XLA has no partitioning rule for a Pallas call: it would gather the layer's FSDP shards to run it whole)."""
-  return xla_dequant() == "pallas" and _pallas_dequant_fits(q, dtype)
-
-
 def xla_dequant() -> str:
   """How the XLA path dequantizes a layer here: the tuning file's "xla_dequant" on a supported GPU, "xla" elsewhere
   (CPU, other GPUs). Benchmarks record it: it moves the peak memory the planner does not model."""
   return config_lib.xla_dequant(_device_kind()) if _gpu_supported() else "xla"
 
 
-def _pallas_dequant_fits(q: NVFP4Tensor, dtype) -> bool:
-  """No mesh, a 16-bit dtype and a shape the Pallas dequantization's blocks tile."""
-  if not jax.sharding.get_abstract_mesh().empty:
+def pallas_dequant_applies(q: NVFP4Tensor, dtype) -> bool:
+  """Whether the XLA path dequantizes this one-layer weight with the Pallas kernel (`nvfp4_dequant`): a supported
+  GPU whose tuning file opts in ("xla_dequant": "pallas"), a 16-bit dtype and a shape its blocks tile, and no mesh
+  (XLA has no partitioning rule for a Pallas call: it would gather the layer's FSDP shards to run it whole)."""
+  if xla_dequant() != "pallas" or not jax.sharding.get_abstract_mesh().empty:
     return False
   launch = config_lib.decode_kernel_params("dequant", _device_kind())
   return nvfp4_dequant.supports(q, dtype, launch["block_n"], launch["block_b"])
@@ -116,16 +111,13 @@ def _pallas_dequant_fits(q: NVFP4Tensor, dtype) -> bool:
 
 def dequantize_layer(q: NVFP4Tensor, dtype) -> jax.Array:
   """One layer's [N, K] weight in dtype for the XLA path, the same bits whoever computes them (the tuning file's
-  "xla_dequant" says who). The weight is a constant of the model's gradient (frozen base), so no tangent is asked
-  of the kernel."""
-  mode = xla_dequant()
-  if mode == "xla" or (mode == "pallas" and not _pallas_dequant_fits(q, dtype)):
-    return nvfp4.dequantize_NxK(q, dtype)
-  # Neither form has a tangent to give (a Pallas call; words bitcast from 16-bit values): say so, as the base is frozen.
-  frozen = jax.tree_util.tree_map(jax.lax.stop_gradient, q)
-  if mode == "pallas":
-    return nvfp4_dequant.dequantize_NxK(frozen, dtype)
-  return nvfp4.dequantize_NxK(frozen, dtype, words=True)
+  "xla_dequant" says who). The weight is a constant of the model's gradient (frozen base): neither the Pallas call
+  nor the words' bitcast has a tangent to give, so they get a stopped weight."""
+  if pallas_dequant_applies(q, dtype):
+    return nvfp4_dequant.dequantize_NxK(jax.tree_util.tree_map(jax.lax.stop_gradient, q), dtype)
+  if xla_dequant() == "words":
+    return nvfp4.dequantize_NxK(jax.tree_util.tree_map(jax.lax.stop_gradient, q), dtype, words=True)
+  return quant.dequantize_NxK(q, dtype)
 
 
 def check_shapes(x_shape, x_dtype, q: NVFP4Tensor | Nvfp4Group, layer=None) -> tuple[int, int]:
