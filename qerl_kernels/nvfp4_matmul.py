@@ -79,8 +79,9 @@ def xla_path_matmul(x: jax.Array, q: NVFP4Tensor | Nvfp4Group, **dot_kwargs) -> 
   (the Pallas kernel where the device's tuning opts in)."""
   if xla_dequant() != "xla":
     # The dequantization waits for x: nothing else orders it, and with "words" XLA's GPU scheduler dequantized the
-    # unrolled prefill's layers up front (7B rollout peak 14.5 -> 19.2 / 22.0 GB at batch 8 / 64, H200, 483586a).
-    # The shipped integer decode was measured without the barrier (14.5 GB), so it keeps that program.
+    # unrolled prefill's layers up front (7B rollout peak 14.5 -> 19.2 / 22.0 GB at batch 8 / 64, H200, 483586a;
+    # with the barrier 14.5 / 14.8 GB, H100, fdbd31f). The integer decode was measured without it (14.5 GB), so it
+    # keeps that program.
     x, q = jax.lax.optimization_barrier((x, q))
   return _dot_dequantized(x, q, dequantize_layer, **dot_kwargs)
 
@@ -271,8 +272,12 @@ def _layer_of(q: NVFP4Tensor, layer) -> NVFP4Tensor:
 
 
 @functools.partial(jax.jit, static_argnames=("implementation", "interpret", "fwd_config", "bwd_config",
-                                             "lora_scale"))
-def _nvfp4_matmul_jit(x, q, layer, xa, b, bias, *, implementation, interpret, fwd_config, bwd_config, lora_scale):
+                                             "lora_scale", "xla_dequant_mode"))
+def _nvfp4_matmul_jit(x, q, layer, xa, b, bias, *, implementation, interpret, fwd_config, bwd_config, lora_scale,
+                      xla_dequant_mode):
+  # xla_dequant_mode (the tuning file's, which xla_path_matmul reads again) only keys the trace cache: a tuning
+  # file changed in the same process would otherwise reuse the program of the one read first.
+  del xla_dequant_mode
   if layer is not None and (implementation == "xla" or not jax.sharding.get_abstract_mesh().empty):
     # The XLA reference dequantizes one layer; under a mesh, shard_map gathers one layer, not the stack.
     q, layer = _layer_of(q, layer), None
@@ -350,7 +355,8 @@ def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor | Nvfp4Group, *, layer=None, bias:
     else:
       bwd_config = config_lib.fit(bwd_config, "bwd", m, k, n)
   return _nvfp4_matmul_jit(x, q, layer, xa, b, bias, implementation=implementation, interpret=interpret,
-                           fwd_config=fwd_config, bwd_config=bwd_config, lora_scale=lora_scale)
+                           fwd_config=fwd_config, bwd_config=bwd_config, lora_scale=lora_scale,
+                           xla_dequant_mode=xla_dequant())
 
 
 def _check_epilogue(x_shape, n: int, bias, lora):

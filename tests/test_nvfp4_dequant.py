@@ -2,6 +2,7 @@
 lowering for a CUDA GPU, and when the dispatch takes it (only where a device's tuning file opts in)."""
 
 import json
+import os
 import sys
 
 import jax
@@ -147,3 +148,45 @@ def test_the_xla_paths_words_dequantization_waits_for_its_input(tmp_path, monkey
   np.testing.assert_array_equal(np.asarray(mm.xla_path_matmul(x, q), np.float32),
                                 np.asarray(jnp.einsum("mk,nk->mn", x, nvfp4.dequantize_NxK(q, jnp.bfloat16)),
                                            np.float32))
+
+
+@pytest.mark.parametrize("mode", ["xla", "words"])
+def test_bench_kernels_times_the_xla_paths_backward_in_every_dequantization_mode(tmp_path, monkeypatch, mode):
+  # The benchmark's backward is the model's: jax.vjp of the XLA path. "words" failed under jax.linear_transpose
+  # (the barrier makes the weight depend on x) on an H100 at fdbd31f, the first bwd timing after the barrier.
+  from experiments import bench_kernels
+  mm = sys.modules["qerl_kernels.nvfp4_matmul"]
+  path = tmp_path / "tuning.json"
+  path.write_text(json.dumps({"xla_dequant": mode}))
+  monkeypatch.setenv("QERL_KERNEL_TUNING", str(path))
+  monkeypatch.setattr(mm, "_device_kind", lambda: "NVIDIA H200")
+  monkeypatch.setattr(mm, "_gpu_supported", lambda: True)
+  rng = np.random.default_rng()
+  rows, k, n = 6, 512, 48
+  q = _random_q(rng, k, n)
+  dy = jnp.asarray(rng.standard_normal((rows, n)), jnp.bfloat16)
+  dx = jax.jit(bench_kernels.xla_path_op("bwd", rows, k))(dy, q)
+  assert kernels.xla_dequant() == mode
+  w_NxK = np.asarray(nvfp4.dequantize_NxK(q, jnp.float32))
+  expect = np.asarray(dy, np.float32) @ w_NxK  # dx = dy @ W^T with W [K, N] stored as [N, K]
+  np.testing.assert_allclose(np.asarray(dx, np.float32), expect, rtol=2e-2, atol=2e-2 * np.abs(expect).max())
+
+
+def test_a_tuning_file_changed_in_the_same_process_retraces_the_xla_path(tmp_path, monkeypatch):
+  # The mode is read while tracing nvfp4_matmul's inner jit: it keys that jit's cache, else a notebook trying
+  # "words" after "xla" (or a test after another) would run the program of the first file.
+  mm = sys.modules["qerl_kernels.nvfp4_matmul"]
+  monkeypatch.setattr(mm, "_device_kind", lambda: "NVIDIA H200")
+  monkeypatch.setattr(mm, "_gpu_supported", lambda: True)
+  rng = np.random.default_rng()
+  q = _random_q(rng, 512, 48)
+  x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
+  path = tmp_path / "tuning.json"
+  monkeypatch.setenv("QERL_KERNEL_TUNING", str(path))
+  for i, mode in enumerate(("xla", "words", "xla")):
+    path.write_text(json.dumps({"xla_dequant": mode}))
+    os.utime(path, ns=(0, {"xla": 1, "words": 2}[mode] * 10**9))  # a rewrite the tuning reader sees as new
+    program = str(jax.make_jaxpr(lambda x, q: kernels.nvfp4_matmul(x, q, implementation="xla"))(x, q))
+    # the barrier with x (the integer decode's division has a barrier of its own, over the scales)
+    with_x = [line for line in program.splitlines() if "optimization_barrier" in line and "bf16[3,512]" in line]
+    assert bool(with_x) == (mode == "words"), (i, mode)
