@@ -394,12 +394,13 @@ XLA_DEQUANT = ("xla", "words", "pallas")
 
 def xla_dequant(device_kind: str | None) -> str:
   """How the XLA path dequantizes a layer on this device kind, the tuning file's top-level "xla_dequant": "xla"
-  (XLA's fusion of the integer decode, the default), "words" (XLA's fusion forming each packed byte's two values
-  as one uint32 word, `nvfp4.dequantize_NxK(words=True)`) or "pallas" (`qerl_kernels.nvfp4_dequant`, those words in
-  one launch). The same bits in all three. On an H100 at 7c40c02 (7B, alone) the words ran gate|up in 302 us and
-  the Pallas launch in 472 against XLA's 603, but the Pallas launch moved the 7B GRPO step by -0.02 s (18.70 ->
-  18.68). On an H200 at 483586a "words" ran 7B gate/down at 2048 rows at 0.85-0.90x the bf16 dot's speed against
-  0.66-0.71x, but the step's peak rose 14.4 -> 22.4 GB (the rollout's prefill): both stay opt-in."""
+  (XLA's fusion of the integer decode, the default without a file), "words" (XLA's fusion forming each packed
+  byte's two values as one uint32 word, `nvfp4.dequantize_NxK(words=True)`; the H200 file's, which the H100 reads
+  too) or "pallas" (`qerl_kernels.nvfp4_dequant`, those words in one launch, opt-in). The same bits in all three.
+  On an H100 at 7c40c02 (7B, alone) the words ran gate|up in 302 us and the Pallas launch in 472 against XLA's 603,
+  but the Pallas launch moved the 7B GRPO step by -0.02 s (18.70 -> 18.68). On an H200 at 483586a "words" ran 7B
+  gate/down at 2048 rows at 0.85-0.90x the bf16 dot's speed against 0.66-0.71x; the step's peak rose 14.4 -> 22.4 GB
+  until the XLA path's barrier (14.8 GB with it, H100, fdbd31f)."""
   return _tuning_file(device_kind).get("xla_dequant", "xla") if device_kind else "xla"
 
 

@@ -288,7 +288,7 @@ def test_no_remat_plans_the_residuals_jax_saves_per_layer(query_chunk):
 # Recorded steps the planner misses, with why: each ran an opt-in tuning file the planner does not model.
 KNOWN_PLANNER_MISSES = {
   # "xla_dequant": "words" without a barrier: the prefill's layers dequantized ahead (22.4 GB against 15.8 planned;
-  # RESULTS.md, 483586a). Why "words" is not in the shipped file.
+  # RESULTS.md, 483586a). Behind the XLA path's barrier since, "words" (now shipped) is within the plan (fdbd31f).
   ("483586a", "/tmp/w2w.json"),
 }
 
