@@ -327,6 +327,17 @@ def _tuning_file(device_kind: str) -> dict:
   return _read_json(override or _device_file(device_kind))
 
 
+def tuning_version(device_kind: str | None) -> tuple:
+  """Which tuning data a trace reads: the file's path and modification time (none for no device kind or file).
+  Jitted wrappers that read the file while tracing take it as a static argument, so a file changed or replaced
+  in the same process (QERL_KERNEL_TUNING, a notebook's variant) traces again instead of reusing the first
+  program."""
+  if not device_kind:
+    return ()
+  path = os.environ.get("QERL_KERNEL_TUNING") or _device_file(device_kind)
+  return (path, os.stat(path).st_mtime_ns) if os.path.exists(path) else (path,)
+
+
 def _read_json(path: str) -> dict:
   """A tuning file, checked once per version of it: a bad one fails here, naming itself, not later inside a
   trace. The cache is keyed on the file's modification time, so a file rewritten in place (a notebook trying a

@@ -272,12 +272,13 @@ def _layer_of(q: NVFP4Tensor, layer) -> NVFP4Tensor:
 
 
 @functools.partial(jax.jit, static_argnames=("implementation", "interpret", "fwd_config", "bwd_config",
-                                             "lora_scale", "xla_dequant_mode"))
+                                             "lora_scale", "tuning_version"))
 def _nvfp4_matmul_jit(x, q, layer, xa, b, bias, *, implementation, interpret, fwd_config, bwd_config, lora_scale,
-                      xla_dequant_mode):
-  # xla_dequant_mode (the tuning file's, which xla_path_matmul reads again) only keys the trace cache: a tuning
-  # file changed in the same process would otherwise reuse the program of the one read first.
-  del xla_dequant_mode
+                      tuning_version):
+  # tuning_version only keys the trace cache: the XLA path reads the tuning file while tracing ("xla_dequant",
+  # the Pallas dequantization's launch), and a file changed in the same process would otherwise run the program
+  # of the one read first.
+  del tuning_version
   if layer is not None and (implementation == "xla" or not jax.sharding.get_abstract_mesh().empty):
     # The XLA reference dequantizes one layer; under a mesh, shard_map gathers one layer, not the stack.
     q, layer = _layer_of(q, layer), None
@@ -356,7 +357,7 @@ def nvfp4_matmul(x: jax.Array, q: NVFP4Tensor | Nvfp4Group, *, layer=None, bias:
       bwd_config = config_lib.fit(bwd_config, "bwd", m, k, n)
   return _nvfp4_matmul_jit(x, q, layer, xa, b, bias, implementation=implementation, interpret=interpret,
                            fwd_config=fwd_config, bwd_config=bwd_config, lora_scale=lora_scale,
-                           xla_dequant_mode=xla_dequant())
+                           tuning_version=config_lib.tuning_version(_device_kind() if _gpu_supported() else None))
 
 
 def _check_epilogue(x_shape, n: int, bias, lora):

@@ -173,8 +173,8 @@ def test_bench_kernels_times_the_xla_paths_backward_in_every_dequantization_mode
 
 
 def test_a_tuning_file_changed_in_the_same_process_retraces_the_xla_path(tmp_path, monkeypatch):
-  # The mode is read while tracing nvfp4_matmul's inner jit: it keys that jit's cache, else a notebook trying
-  # "words" after "xla" (or a test after another) would run the program of the first file.
+  # The mode is read while tracing nvfp4_matmul's inner jit: the file's version keys that jit's cache, else a
+  # notebook trying "words" after "xla" (or a test after another) would run the program of the first file.
   mm = sys.modules["qerl_kernels.nvfp4_matmul"]
   monkeypatch.setattr(mm, "_device_kind", lambda: "NVIDIA H200")
   monkeypatch.setattr(mm, "_gpu_supported", lambda: True)
