@@ -117,6 +117,17 @@ def test_sharded_update_equals_unsharded_on_8_cpu_devices():
   assert result["loss"] == pytest.approx(result["loss_sharded"], rel=1e-5, abs=1e-7)
 
 
+def test_sharded_update_equals_unsharded_with_the_words_dequantization():
+  # The Hopper file's "words" (shipped since the twelfth session) passes x and the weight through one barrier;
+  # the same comparisons as above, with every XLA-path matmul dequantizing that way.
+  proc = _run_on_8_devices(os.path.abspath(__file__), "words")
+  lines = proc.stdout.strip().splitlines()
+  result, used = json.loads(lines[-2]), json.loads(lines[-1])
+  assert result["devices"] == 8 and result["grad_norm"] > 0
+  assert result["loss"] == pytest.approx(result["loss_sharded"], rel=1e-5, abs=1e-7)
+  assert used["xla_path_modes"] == ["words"] and used["xla_path_calls"] > 0
+
+
 def _batch(rng, rows, prompt_len, new, vocab):
   lengths = rng.integers(1, new + 1, rows)
   mask = np.arange(new)[None, :] < lengths[:, None]
@@ -363,8 +374,29 @@ def _main_kernel():
                     "mapped_epilogue": "shard_map" in epi_text}))
 
 
+def _main_words():
+  """_main with the Hopper file's "words" dequantization forced on (the CPU otherwise takes the integer decode):
+  its barrier with x must partition like the rest of the XLA path. Prints how many XLA-path matmuls used it."""
+  import tempfile
+  import qerl_kernels  # noqa: F401  (binds the module the patches below reach)
+  mm = sys.modules["qerl_kernels.nvfp4_matmul"]
+  path = os.path.join(tempfile.mkdtemp(), "words.json")
+  with open(path, "w") as f:
+    json.dump({"xla_dequant": "words"}, f)
+  os.environ["QERL_KERNEL_TUNING"] = path
+  mm._device_kind = lambda: "NVIDIA H200"  # pylint: disable=protected-access
+  mm._gpu_supported = lambda: True  # pylint: disable=protected-access
+  modes, traced = [], mm.xla_path_matmul
+  def counting(x, q, **kw):
+    modes.append(mm.xla_dequant())
+    return traced(x, q, **kw)
+  mm.xla_path_matmul = counting
+  _main()
+  print(json.dumps({"xla_path_modes": sorted(set(modes)), "xla_path_calls": len(modes)}))
+
+
 if __name__ == "__main__":
-  {"loading": _main_loading, "kernel": _main_kernel}.get((sys.argv[1:] or [""])[0], _main)()
+  {"loading": _main_loading, "kernel": _main_kernel, "words": _main_words}.get((sys.argv[1:] or [""])[0], _main)()
 
 
 def test_loading_with_a_mesh_writes_into_the_shards():
