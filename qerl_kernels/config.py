@@ -319,12 +319,17 @@ def _device_file(device_kind: str) -> str:
   return path
 
 
-def _tuning_file(device_kind: str) -> dict:
-  """The device kind's tuning data; QERL_KERNEL_TUNING=path replaces it (to try a tuning without editing it)."""
+def _tuning_path(device_kind: str) -> str:
+  """The device kind's tuning file; QERL_KERNEL_TUNING=path replaces it (to try a tuning without editing it)."""
   override = os.environ.get("QERL_KERNEL_TUNING")
   if override and not os.path.exists(override):
     raise FileNotFoundError(f"QERL_KERNEL_TUNING={override!r} does not exist")
-  return _read_json(override or _device_file(device_kind))
+  return override or _device_file(device_kind)
+
+
+def _tuning_file(device_kind: str) -> dict:
+  """The device kind's tuning data (``_tuning_path``'s file; empty where it does not exist)."""
+  return _read_json(_tuning_path(device_kind))
 
 
 def tuning_version(device_kind: str | None) -> tuple:
@@ -334,7 +339,7 @@ def tuning_version(device_kind: str | None) -> tuple:
   program."""
   if not device_kind:
     return ()
-  path = os.environ.get("QERL_KERNEL_TUNING") or _device_file(device_kind)
+  path = _tuning_path(device_kind)
   return (path, os.stat(path).st_mtime_ns) if os.path.exists(path) else (path,)
 
 

@@ -185,7 +185,7 @@ def test_a_tuning_file_changed_in_the_same_process_retraces_the_xla_path(tmp_pat
   monkeypatch.setenv("QERL_KERNEL_TUNING", str(path))
   for i, mode in enumerate(("xla", "words", "xla")):
     path.write_text(json.dumps({"xla_dequant": mode}))
-    os.utime(path, ns=(0, {"xla": 1, "words": 2}[mode] * 10**9))  # a rewrite the tuning reader sees as new
+    os.utime(path, ns=(0, (i + 1) * 10**9))  # a rewrite the tuning reader sees as new (mtime alone may not move)
     program = str(jax.make_jaxpr(lambda x, q: kernels.nvfp4_matmul(x, q, implementation="xla"))(x, q))
     # the barrier with x (the integer decode's division has a barrier of its own, over the scales)
     with_x = [line for line in program.splitlines() if "optimization_barrier" in line and "bf16[3,512]" in line]
