@@ -334,20 +334,25 @@ def bench_one(direction, k, n, rows, cfg, key, bf16_cache, bw, dtype=jnp.bfloat1
   if not err < 1e-2:
     raise RuntimeError(f"{direction} k={k} n={n} rows={rows} {cfg}: relative error {err}")
   timed = _time_loop(_kernel_op(direction, cfg), a, ws)
+  del ws
+  return _record(direction, k, n, rows, timed, bf16_timing(direction, k, n, rows, a, key, bf16_cache), bw,
+                 check_rel_err=float(f"{err:.3g}"),
+                 config=dataclasses.asdict(cfg), candidate=candidate, first_call_s=round(compile_s, 2),
+                 **({"group": list(widths)} if widths else {}))
+
+
+def bf16_timing(direction, k, n, rows, a, key, bf16_cache, dtype=jnp.bfloat16) -> Timing:
+  """The bf16 XLA dot on the case's shape (x @ W forward, dy @ W^T backward), timed once per case and cached."""
   bkey = (direction, k, n, rows)
   if bkey not in bf16_cache:
     wb = _rotation(lambda c: jax.random.normal(jax.random.fold_in(key, 1000 + c), (k, n), jnp.float32).astype(dtype),
                    2 * k * n)
     if direction == "fwd":
-      bop = lambda x, w: jnp.dot(x, w)
+      bop = lambda x, w: jnp.dot(x, w)  # noqa: E731
     else:
-      bop = lambda dy, w: jax.lax.dot_general(dy, w, (((1,), (1,)), ((), ())))
+      bop = lambda dy, w: jax.lax.dot_general(dy, w, (((1,), (1,)), ((), ())))  # noqa: E731
     bf16_cache[bkey] = _time_loop(bop, a, wb)
-    del wb
-  del ws
-  return _record(direction, k, n, rows, timed, bf16_cache[bkey], bw, check_rel_err=float(f"{err:.3g}"),
-                 config=dataclasses.asdict(cfg), candidate=candidate, first_call_s=round(compile_s, 2),
-                 **({"group": list(widths)} if widths else {}))
+  return bf16_cache[bkey]
 
 
 def bench_xla(direction, k, n, rows, key, bf16_cache, bw, dtype=jnp.bfloat16):
@@ -370,7 +375,8 @@ def bench_xla(direction, k, n, rows, key, bf16_cache, bw, dtype=jnp.bfloat16):
     raise RuntimeError(f"xla path {direction} k={k} n={n} rows={rows}: relative error {err}")
   launches, fused = hlo_launches(jax.jit(op).lower(a, ws[0]).compile().as_text())
   timed = _time_loop(op, a, ws)
-  return _record(direction, k, n, rows, timed, bf16_cache.get((direction, k, n, rows)), bw,
+  del ws
+  return _record(direction, k, n, rows, timed, bf16_timing(direction, k, n, rows, a, key, bf16_cache), bw,
                  check_rel_err=float(f"{err:.3g}"), launches=launches, fused_gemm=fused,
                  config={"block_n": 0, "block_k": 0, "split": 0, "num_warps": 0, "engine": "xla"})
 
@@ -464,6 +470,9 @@ def main(argv=None):
   p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU smoke test only)")
   p.add_argument("--xla", action="store_true",
                  help="also time the XLA path (dequantize, then XLA's dot) after each kernel, same shape")
+  p.add_argument("--xla-only", action="store_true",
+                 help="time the XLA path and the bf16 dot only, no tile kernel: training rows (>= the tuning file's "
+                      "xla_min_rows, where the model dispatches to that path) at a third of the device time")
   p.add_argument("--gemv", action="store_true",
                  help="at forward rows <= 16 also time every gemv-engine candidate; the fastest is reported")
   p.add_argument("--gemv-set", default="all", choices=sorted(GEMV_SETS),
@@ -487,6 +496,9 @@ def main(argv=None):
                       "candidate (e.g. jnp,halves,asm)")
   args = p.parse_args(argv)
   layers = layer_names(args.layers, p)
+  if args.xla_only and (args.sweep or args.gemv or args.mosaic or args.group or args.decoders):
+    p.error("--xla-only times no kernel: it does not combine with --sweep, --gemv, --mosaic, --group or --decoders")
+  args.xla = args.xla or args.xla_only
   if args.group and args.sweep:
     p.error("--group times the tuned config; it does not combine with --sweep")
   global _INTERPRET, _TRACE, _L2_WARM
@@ -508,7 +520,9 @@ def main(argv=None):
         k, n = MODELS[model][layer]
         for direction in args.directions.split(","):
           for rows in map(int, args.rows.split(",")):
-            if args.sweep:  # every candidate with each of --decoders (by default, the candidate's own)
+            if args.xla_only:
+              cands = []
+            elif args.sweep:  # every candidate with each of --decoders (by default, the candidate's own)
               cands = [c if d is None else dataclasses.replace(c, dequant=d)
                        for c in CANDIDATES[(direction, _bucket(direction, rows))] for d in decoders or [None]]
             else:

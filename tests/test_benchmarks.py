@@ -62,6 +62,25 @@ def test_bench_kernels_times_the_group_launch_of_a_fused_layer(tmp_path, capsys)
   assert "group gemv" in capsys.readouterr().out
 
 
+def test_bench_kernels_xla_only_times_the_xla_path_against_the_bf16_dot_and_no_kernel(tmp_path, capsys):
+  # --xla-only: the training rows' path and its bf16 peer in both directions, checked first; no tile kernel
+  # is compiled or timed, and options that time kernels are refused before any work.
+  from experiments import bench_kernels
+  out = tmp_path / "kernels.jsonl"
+  bench_kernels.main(["--interpret", "--models", "tiny", "--layers", "down,o", "--rows", "40", "--xla-only",
+                      "--out", str(out)])
+  records = _lines(out)
+  assert sorted((r["shape"], r["direction"]) for r in records) == [
+      ("qwen2.5-tiny.down", "bwd"), ("qwen2.5-tiny.down", "fwd"), ("qwen2.5-tiny.o", "bwd"), ("qwen2.5-tiny.o", "fwd")]
+  for r in records:
+    assert r["implementation"] == "xla" and r["config"]["engine"] == "xla" and r["rows"] == 40
+    assert r["check_rel_err"] < 1e-2 and r["us"] > 0 and r["bf16_us"] > 0
+    assert r["speedup"] == pytest.approx(r["bf16_us"] / r["us"], abs=2e-3)  # us are rounded to 0.01
+  with pytest.raises(SystemExit):
+    bench_kernels.main(["--interpret", "--models", "tiny", "--xla-only", "--sweep", "--out", "/dev/null"])
+  assert "--xla-only times no kernel" in capsys.readouterr().err
+
+
 def test_bench_kernels_layers_name_the_models_launches_and_refuse_unknown_names(capsys):
   import argparse  # pylint: disable=import-outside-toplevel
   from experiments import bench_kernels
