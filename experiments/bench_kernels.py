@@ -448,6 +448,20 @@ def _summary(records):
   return "\n".join(lines)
 
 
+def parse_shapes(spec: str, parser: argparse.ArgumentParser) -> list[tuple[int, int]]:
+  """--shapes as (K, N) pairs; a malformed one, or K not a multiple of the 16-wide NVFP4 block, stops the run
+  before any GPU work."""
+  shapes = []
+  for item in spec.split(","):
+    k, sep, n = item.strip().lower().partition("x")
+    if not (sep and k.isdigit() and n.isdigit() and int(k) > 0 and int(n) > 0):
+      parser.error(f"--shapes {item!r}: expected KxN with positive integers, e.g. 3584x33792")
+    if int(k) % 16:
+      parser.error(f"--shapes {item!r}: K={k} must be a multiple of 16 (the NVFP4 block)")
+    shapes.append((int(k), int(n)))
+  return shapes
+
+
 def layer_names(spec: str, parser: argparse.ArgumentParser) -> tuple[str, ...]:
   """--layers as layer names ('launches': the model's); an unknown name stops the run before any GPU work."""
   names = LAUNCHES if spec == "launches" else tuple(spec.split(","))
@@ -462,6 +476,9 @@ def main(argv=None):
   p.add_argument("--models", default="7b,14b,32b")
   p.add_argument("--layers", default="qkv,o,gate_up,down",
                  help="comma-separated, or 'launches' for the shapes the model launches (" + ",".join(LAUNCHES) + ")")
+  p.add_argument("--shapes", default="",
+                 help="comma-separated KxN weights (e.g. 3584x33792) to time instead of --models x --layers; "
+                      "their records' shape is 'KxN'")
   p.add_argument("--rows", default=",".join(map(str, ROWS)))
   p.add_argument("--directions", default="fwd,bwd")
   p.add_argument("--sweep", action="store_true", help="time every tile candidate; print the winners")
@@ -499,8 +516,12 @@ def main(argv=None):
   if args.xla_only and (args.sweep or args.gemv or args.mosaic or args.group or args.decoders):
     p.error("--xla-only times no kernel: it does not combine with --sweep, --gemv, --mosaic, --group or --decoders")
   args.xla = args.xla or args.xla_only
+  cases = ([("", f"{k}x{n}", (k, n)) for k, n in parse_shapes(args.shapes, p)] if args.shapes else
+           [(model, layer, MODELS[model][layer]) for model in args.models.split(",") for layer in layers])
   if args.group and args.sweep:
     p.error("--group times the tuned config; it does not combine with --sweep")
+  if args.group and args.shapes:
+    p.error("--group times a model's fused layers; it does not combine with --shapes")
   global _INTERPRET, _TRACE, _L2_WARM
   _INTERPRET, _TRACE, _L2_WARM = args.interpret, args.trace, args.l2_warm
 
@@ -515,38 +536,36 @@ def main(argv=None):
   records, swept, bf16_cache = [], [], {}
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "a") as f:
-    for model in args.models.split(","):
-      for layer in layers:
-        k, n = MODELS[model][layer]
-        for direction in args.directions.split(","):
-          for rows in map(int, args.rows.split(",")):
-            if args.xla_only:
-              cands = []
-            elif args.sweep:  # every candidate with each of --decoders (by default, the candidate's own)
-              cands = [c if d is None else dataclasses.replace(c, dequant=d)
-                       for c in CANDIDATES[(direction, _bucket(direction, rows))] for d in decoders or [None]]
-            else:
-              cfg = config_lib.get_config(direction, rows, k, n, device)
-              cands = [dataclasses.replace(cfg, dequant=d) for d in decoders or [cfg.dequant]]
-              if args.gemv and direction == "fwd" and rows <= config_lib.GEMV_MAX_ROWS:
-                cands += [c for c in GEMV_SETS[args.gemv_set] if not gemv_decoders or c.dequant in gemv_decoders]
-            tag = dict(shape=f"qwen2.5-{model}.{layer}", commit=commit, device=device,
-                       copy_tbps=round(bw / 1e12, 3), kernel_tuning=provenance.kernel_tuning(),
-                       xla_dequant=xla_dequant(), **({"l2_warm": True} if _L2_WARM else {}))
-            widths = group_widths(model, layer) if args.group and direction == "fwd" else ()
-            case = _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag, widths)
-            for rec in case:
-              f.write(json.dumps(rec) + "\n")
-              print(json.dumps(rec), flush=True)
-            f.flush()
-            kernels = [r for r in case if r["implementation"] == "pallas"]
-            swept += kernels
-            if kernels:
-              records.append(min(kernels, key=_rank_us))
-            records += [r for r in case if r["implementation"] in ("xla", "group")]
-            mosaic = [r for r in case if r["implementation"] == "mosaic"]
-            if mosaic:
-              records.append(min(mosaic, key=_rank_us))
+    for model, layer, (k, n) in cases:
+      for direction in args.directions.split(","):
+        for rows in map(int, args.rows.split(",")):
+          if args.xla_only:
+            cands = []
+          elif args.sweep:  # every candidate with each of --decoders (by default, the candidate's own)
+            cands = [c if d is None else dataclasses.replace(c, dequant=d)
+                     for c in CANDIDATES[(direction, _bucket(direction, rows))] for d in decoders or [None]]
+          else:
+            cfg = config_lib.get_config(direction, rows, k, n, device)
+            cands = [dataclasses.replace(cfg, dequant=d) for d in decoders or [cfg.dequant]]
+            if args.gemv and direction == "fwd" and rows <= config_lib.GEMV_MAX_ROWS:
+              cands += [c for c in GEMV_SETS[args.gemv_set] if not gemv_decoders or c.dequant in gemv_decoders]
+          tag = dict(shape=f"qwen2.5-{model}.{layer}" if model else layer, commit=commit, device=device,
+                     copy_tbps=round(bw / 1e12, 3), kernel_tuning=provenance.kernel_tuning(),
+                     xla_dequant=xla_dequant(), **({"l2_warm": True} if _L2_WARM else {}))
+          widths = group_widths(model, layer) if args.group and direction == "fwd" and model else ()
+          case = _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag, widths)
+          for rec in case:
+            f.write(json.dumps(rec) + "\n")
+            print(json.dumps(rec), flush=True)
+          f.flush()
+          kernels = [r for r in case if r["implementation"] == "pallas"]
+          swept += kernels
+          if kernels:
+            records.append(min(kernels, key=_rank_us))
+          records += [r for r in case if r["implementation"] in ("xla", "group")]
+          mosaic = [r for r in case if r["implementation"] == "mosaic"]
+          if mosaic:
+            records.append(min(mosaic, key=_rank_us))
   print(_summary(records))
   if args.sweep and args.tuning_out:
     with open(args.tuning_out, "w") as g:

@@ -81,6 +81,24 @@ def test_bench_kernels_xla_only_times_the_xla_path_against_the_bf16_dot_and_no_k
   assert "--xla-only times no kernel" in capsys.readouterr().err
 
 
+def test_bench_kernels_times_shapes_given_as_k_by_n_and_refuses_malformed_ones(tmp_path, capsys):
+  # --shapes: weights outside the Qwen table (e.g. a column count that fills one round of programs), named "KxN".
+  from experiments import bench_kernels
+  out = tmp_path / "kernels.jsonl"
+  bench_kernels.main(["--interpret", "--shapes", "96x48,160x32", "--rows", "24", "--directions", "fwd",
+                      "--xla-only", "--out", str(out)])
+  records = _lines(out)
+  assert [(r["shape"], r["k"], r["n"], r["rows"]) for r in records] == [("96x48", 96, 48, 24), ("160x32", 160, 32, 24)]
+  assert all(r["check_rel_err"] < 1e-2 and r["bf16_us"] > 0 for r in records)
+  for bad, message in (("96x", "expected KxN"), ("100x64", "K=100 must be a multiple of 16"), ("0x64", "expected KxN")):
+    with pytest.raises(SystemExit):
+      bench_kernels.main(["--interpret", "--shapes", bad, "--xla-only", "--out", "/dev/null"])
+    assert message in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    bench_kernels.main(["--interpret", "--shapes", "96x48", "--group", "--out", "/dev/null"])
+  assert "does not combine with --shapes" in capsys.readouterr().err
+
+
 def test_bench_kernels_layers_name_the_models_launches_and_refuse_unknown_names(capsys):
   import argparse  # pylint: disable=import-outside-toplevel
   from experiments import bench_kernels
