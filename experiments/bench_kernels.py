@@ -552,7 +552,7 @@ def main(argv=None):
           tag = dict(shape=f"qwen2.5-{model}.{layer}" if model else layer, commit=commit, device=device,
                      copy_tbps=round(bw / 1e12, 3), kernel_tuning=provenance.kernel_tuning(),
                      xla_dequant=xla_dequant(), **({"l2_warm": True} if _L2_WARM else {}))
-          widths = group_widths(model, layer) if args.group and direction == "fwd" and model else ()
+          widths = group_widths(model, layer) if args.group and direction == "fwd" else ()
           case = _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag, widths)
           for rec in case:
             f.write(json.dumps(rec) + "\n")

@@ -333,23 +333,28 @@ def _tuning_file(device_kind: str) -> dict:
 
 
 def tuning_version(device_kind: str | None) -> tuple:
-  """Which tuning data a trace reads: the file's path and modification time (none for no device kind or file).
+  """Which tuning data a trace reads: the file's path and modification time (None for a missing file; () for no
+  device kind).
   Jitted wrappers that read the file while tracing take it as a static argument, so a file changed or replaced
   in the same process (QERL_KERNEL_TUNING, a notebook's variant) traces again instead of reusing the first
   program."""
   if not device_kind:
     return ()
   path = _tuning_path(device_kind)
-  return (path, os.stat(path).st_mtime_ns) if os.path.exists(path) else (path,)
+  return (path, _mtime_ns(path))
+
+
+def _mtime_ns(path: str) -> int | None:
+  """The file's modification time, the version its readers key on; None where it does not exist."""
+  return os.stat(path).st_mtime_ns if os.path.exists(path) else None
 
 
 def _read_json(path: str) -> dict:
   """A tuning file, checked once per version of it: a bad one fails here, naming itself, not later inside a
   trace. The cache is keyed on the file's modification time, so a file rewritten in place (a notebook trying a
   variant through QERL_KERNEL_TUNING) is read again."""
-  if not os.path.exists(path):
-    return {}
-  return _read_json_version(path, os.stat(path).st_mtime_ns)
+  mtime_ns = _mtime_ns(path)
+  return {} if mtime_ns is None else _read_json_version(path, mtime_ns)
 
 
 @functools.lru_cache(maxsize=None)
