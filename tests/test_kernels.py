@@ -864,14 +864,14 @@ def test_stacked_weights_need_a_layer_and_one_weight_takes_none(request):
 
 def test_xla_path_from_the_devices_measured_crossover(monkeypatch):
   # The H200 file records the crossover; a device kind without one keeps the kernels at every size.
-  assert config_lib.xla_min_rows("NVIDIA H200") == 1024
+  assert config_lib.xla_min_rows("NVIDIA H200") == 256
   assert config_lib.xla_min_rows("Some Other GPU") is None and config_lib.xla_min_rows(None) is None
   import sys
   mm = sys.modules["qerl_kernels.nvfp4_matmul"]  # the module (the package attribute is the function)
   monkeypatch.setattr(mm, "_gpu_supported", lambda: True)
   monkeypatch.setattr(mm, "_device_kind", lambda: "NVIDIA H200")
-  assert mm.default_implementation(jnp.bfloat16, 1023) == "pallas"
-  assert mm.default_implementation(jnp.bfloat16, 1024) == "xla"
+  assert mm.default_implementation(jnp.bfloat16, 255) == "pallas"
+  assert mm.default_implementation(jnp.bfloat16, 256) == "xla"
   assert mm.default_implementation(jnp.float32, 1) == "xla"
   monkeypatch.setattr(mm, "_device_kind", lambda: "Some Other GPU")
   assert mm.default_implementation(jnp.bfloat16, 1 << 20) == "pallas"
