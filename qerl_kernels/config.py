@@ -56,6 +56,11 @@ class Nvfp4MatmulConfig:
   products (E2M1 / 64 times x, exact in float16 once the kernel scales the block's x by a power of two into
   float16's range) and their sum are float16; the sum is then scaled and accumulated in float32. ``fit`` drops
   it for other engines and decoders.
+  tail_slots: a tile forward whose output fits one row tile: how many of its programs run at once (programs per
+  SM x SMs, e.g. 4 x 132 for the 2-warp 64-row tile). Tiles past the last whole round of slots then run split
+  along K in short programs that fill the next round, and their float32 partial sums are added after the launch
+  (``nvfp4_matmul_fwd.tail_plan``). At 64 rows on an H100 (d4f251b) 7B gate|up's 592 programs took 84.2 us against
+  61.5 for 528: the 64 past one round ran alone. 0 (off) everywhere until timed.
   engine: "tensorcore" (the tile kernels above) or "gemv" (forward only, at most GEMV_MAX_ROWS rows: each
   decoded weight meets its x element in a float32 multiply-add on the CUDA cores; block_m is unused there
   and dequant is "asm" or the e4m3 route). ``fit`` turns a gemv config into a tensor-core one where gemv
@@ -79,6 +84,7 @@ class Nvfp4MatmulConfig:
   ragged_split: bool = False  # tile forward: ragged K ranges (the gemv's always are)
   one_round: bool = False  # automatic split: at most one round of programs_per_sm x SMs (``fit``)
   half_products: bool = False  # gemv, e4m3-route decoders: each block's products and sum in float16
+  tail_slots: int = 0  # tile forward, one row tile: programs that run at once; the tiles past them split (0: off)
   # gemv: read x where it lies, each nibble plane's columns by a stride-2 load; tile forward with a halves
   # decoder: load x's run as it lies and split its even / odd columns in registers (no reordered copy)
   x_in_place: bool = False
@@ -97,6 +103,8 @@ class Nvfp4MatmulConfig:
     object.__setattr__(self, "prefetch", int(self.prefetch))  # a bool (the H200 file has true) is 0 or 1
     if min(self.split, self.group_m, self.num_warps, self.num_stages, self.programs_per_sm) < 1:
       raise ValueError(f"bad config {self}")
+    if not isinstance(self.tail_slots, int) or self.tail_slots < 0:
+      raise ValueError(f"tail_slots={self.tail_slots!r} must be a count of programs (0: off)")
 
 
 def _pow2_at_most(v: int) -> int:

@@ -12,6 +12,7 @@ so a 16-row batch wastes no tensor-core width.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,36 @@ def _tile_ids(pid, num_m: int, num_n: int, group_m: int):
   return pid_m, pid_n
 
 
+class TailPlan(NamedTuple):
+  """A launch whose last column blocks split along K (``Nvfp4MatmulConfig.tail_slots``)."""
+  whole: int  # programs 0 .. whole - 1 take column blocks 0 .. whole - 1 whole
+  parts: int  # each later block in this many K ranges, one program each
+  first_col: int  # the output column where block ``whole`` starts (the partials' column 0)
+
+
+def tail_plan(cfg: Nvfp4MatmulConfig, m: int, steps: int, widths: tuple[int, ...]) -> TailPlan | None:
+  """The tail split of a forward launch, or None where it does not apply: tail_slots off, a split already, more
+  than one row tile, blocks that fill whole rounds (or less than one), or a tail too long to split.
+
+  The blocks past the last whole round of ``tail_slots`` programs would run alone while the rest of the GPU idles;
+  split into about tail_slots programs of a few K steps they fill the next round instead."""
+  blocks = nvfp4_tile.column_blocks(widths, cfg.block_n)
+  if not cfg.tail_slots or cfg.split != 1 or m > cfg.block_m:
+    return None
+  whole = blocks // cfg.tail_slots * cfg.tail_slots
+  tail = blocks - whole
+  parts = config_lib.split_trips(steps, max(1, min(steps, cfg.tail_slots // max(tail, 1))))[1]
+  if not whole or not tail or parts < 2:
+    return None
+  first, offset = 0, 0
+  for n in widths:  # the member holding block ``whole``, and where that block starts in y
+    member_blocks = -(-n // cfg.block_n)
+    if whole < first + member_blocks:
+      return TailPlan(whole, parts, offset + (whole - first) * cfg.block_n)
+    first, offset = first + member_blocks, offset + n
+  raise AssertionError("unreachable: whole < blocks")
+
+
 def halves_order(a_MxK: jax.Array, block_k: int) -> jax.Array:
   """Reorders each run of block_k columns to (its even columns, its odd columns), the "halves" layout."""
   m, k = a_MxK.shape
@@ -49,7 +80,7 @@ def logical_order(a_MxK: jax.Array, block_k: int) -> jax.Array:
 
 def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, *refs, widths: tuple[int, ...], block_m: int, block_n: int,
                             block_k: int, steps: int, group_m: int, split: int, dequant: str = "jnp",
-                            epilogue: Epilogue = Epilogue(), x_in_place: bool = False):
+                            epilogue: Epilogue = Epilogue(), x_in_place: bool = False, tail: "TailPlan | None" = None):
   """One [block_m, block_n] output tile over one contraction split.
 
   x_ref [M, K] (with a halves-layout dequant, each block_k run of columns holds the run's even columns,
@@ -59,26 +90,44 @@ def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, *refs, widths: tuple[int, ...], bl
   [L*N, K/16], gs_ref f32 [L] (rows layer*N .. layer*N + N are the weight); then the epilogue's refs
   (``nvfp4_epilogue``), then o_ref [M, sum of N] (x dtype) when split == 1, else float32 partials
   [split, M, sum of N]. steps: K steps of block_k in all, in ``split`` ranges (``nvfp4_tile.split_range``).
+  tail (split 1, one row tile): programs past ``tail.whole`` take the last column blocks in ``tail.parts`` K ranges
+  each and write float32 partials [parts, M, N - tail.first_col] to one more output ref, after o_ref.
   """
-  weights, (*epi_refs, o_ref) = [refs[3 * i:3 * i + 3] for i in range(len(widths))], refs[3 * len(widths):]
+  weights = [refs[3 * i:3 * i + 3] for i in range(len(widths))]
+  *epi_refs, o_ref = refs[3 * len(widths):len(refs) - (1 if tail else 0)]
   m, _ = x_ref.shape
   num_m = pl.cdiv(m, block_m)
-  pid_m, pid_n = _tile_ids(pl.program_id(0), num_m, nvfp4_tile.column_blocks(widths, block_n), group_m)
-  pid_s = pl.program_id(1)
 
-  def member_tile(member, pid_n, col_offset):
-    _tile(x_ref, layer_ref, *weights[member], epi_refs, o_ref, pid_m, pid_n, pid_s, n=widths[member],
-          col_offset=col_offset, block_m=block_m, block_n=block_n, block_k=block_k, steps=steps, split=split,
-          dequant=dequant, epilogue=epilogue, x_in_place=x_in_place)
+  def run(pid_m, pid_n, pid_s, out_ref, ranges, col_shift):
+    def member_tile(member, pid_n, col_offset):
+      _tile(x_ref, layer_ref, *weights[member], epi_refs, out_ref, pid_m, pid_n, pid_s, n=widths[member],
+            col_offset=col_offset, block_m=block_m, block_n=block_n, block_k=block_k, steps=steps, split=ranges,
+            dequant=dequant, epilogue=epilogue, x_in_place=x_in_place, out_col_shift=col_shift)
 
-  nvfp4_tile.for_member(pid_n, widths, block_n, member_tile)
+    nvfp4_tile.for_member(pid_n, widths, block_n, member_tile)
+
+  pid = pl.program_id(0)
+  if tail is None:
+    pid_m, pid_n = _tile_ids(pid, num_m, nvfp4_tile.column_blocks(widths, block_n), group_m)
+    run(pid_m, pid_n, pl.program_id(1), o_ref, split, 0)
+    return
+
+  @pl.when(pid < tail.whole)
+  def _():
+    run(0, pid, 0, o_ref, 1, 0)
+
+  @pl.when(pid >= tail.whole)
+  def _():
+    j = pid - tail.whole
+    run(0, tail.whole + j // tail.parts, j % tail.parts, refs[-1], tail.parts, tail.first_col)
 
 
 def _tile(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_m, pid_n, pid_s, *, n: int,
           col_offset: int, block_m: int, block_n: int, block_k: int, steps: int, split: int, dequant: str,
-          epilogue: Epilogue, x_in_place: bool = False):
+          epilogue: Epilogue, x_in_place: bool = False, out_col_shift: int = 0):
   """Tile (pid_m, pid_n) of one weight's y over split ``pid_s`` (``nvfp4_matmul_fwd_kernel``'s work), written
-  from output column ``col_offset`` on (a group member's place in y and in the epilogue's operands)."""
+  from output column ``col_offset`` on (a group member's place in y and in the epilogue's operands), less
+  ``out_col_shift`` in o_ref (a tail's partials start at its first column)."""
   m, _ = x_ref.shape
   layer = layer_ref[0]
   rows_M = pid_m * block_m + jnp.arange(block_m)
@@ -117,14 +166,15 @@ def _tile(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_
   acc_NxM = jax.lax.fori_loop(0, trips, body, jnp.zeros((block_n, block_m), jnp.float32))
   y_MxN = acc_NxM.T * nvfp4_tile.output_multiplier(gs_ref[layer], dequant, x_ref.dtype)
   rows, cols = pl.ds(pid_m * block_m, block_m), pl.ds(col_offset + pid_n * block_n, block_n)
+  out_cols = pl.ds(col_offset - out_col_shift + pid_n * block_n, block_n)
   mask = row_mask[:, None] & col_mask[None, :]
   if split == 1:
     if epilogue.num_refs:
       y_MxN = y_MxN + nvfp4_epilogue.term(epi_refs, epilogue, rows, row_mask, cols, col_mask, dot=True)
-    plgpu.store(o_ref.at[rows, cols], y_MxN.astype(o_ref.dtype), mask=mask)
+    plgpu.store(o_ref.at[rows, out_cols], y_MxN.astype(o_ref.dtype), mask=mask)
     return
   if not epilogue.num_refs:
-    plgpu.store(o_ref.at[pid_s, rows, cols], y_MxN, mask=mask)
+    plgpu.store(o_ref.at[pid_s, rows, out_cols], y_MxN, mask=mask)
     return
 
   # Split-K: only split 0 adds the epilogue's terms (the splits are summed afterwards). The others skip its
@@ -132,11 +182,11 @@ def _tile(x_ref, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_
   @pl.when(pid_s == 0)
   def _():
     extra = nvfp4_epilogue.term(epi_refs, epilogue, rows, row_mask, cols, col_mask, dot=True)
-    plgpu.store(o_ref.at[pid_s, rows, cols], y_MxN + extra, mask=mask)
+    plgpu.store(o_ref.at[pid_s, rows, out_cols], y_MxN + extra, mask=mask)
 
   @pl.when(pid_s != 0)
   def _():
-    plgpu.store(o_ref.at[pid_s, rows, cols], y_MxN, mask=mask)
+    plgpu.store(o_ref.at[pid_s, rows, out_cols], y_MxN, mask=mask)
 
 
 def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb: jax.Array,
@@ -179,6 +229,16 @@ def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb
   # (profile_decode at 2b01cf1), 0.15 of a 3.75 ms step.
   reorder = cfg.dequant in HALVES_DECODERS and not cfg.x_in_place
   x_in = halves_order(x_MxK, cfg.block_k) if reorder else x_MxK
+  tail = tail_plan(cfg, m, k // cfg.block_k, widths)
+  if tail is not None:
+    partials = jax.ShapeDtypeStruct((tail.parts, m, n - tail.first_col), jnp.float32)
+    y, partials = nvfp4_tile.launch(
+        functools.partial(kernel, tail=tail), [x_in, *weight_operands, *epi_ops], rows=m, cols=n, split=1,
+        dtype=x_MxK.dtype, grid=(tail.whole + (num_n - tail.whole) * tail.parts, 1), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_matmul_fwd", extra_out=(partials,))
+    # The tail's columns of y are unwritten (NaN when poisoned) until its partial sums land there.
+    y = jax.lax.dynamic_update_slice(y, partials.sum(axis=0).astype(y.dtype), (0, tail.first_col))
+    return y if sum_splits else y[None]
   return nvfp4_tile.launch(kernel, [x_in, *weight_operands, *epi_ops], rows=m, cols=n, split=cfg.split,
                            dtype=x_MxK.dtype, grid=(num_m * num_n, cfg.split), num_warps=cfg.num_warps,
                            num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_matmul_fwd",

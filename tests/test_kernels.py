@@ -97,6 +97,11 @@ FWD_CASES = [
   (5, 192, 56, jnp.float16, Nvfp4MatmulConfig(block_n=32, block_k=64, split=3, engine="gemv", x_in_place=True)),
   (1, 256, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, engine="gemv", dequant="asm_fma",
                                                x_in_place=True)),
+  # A tail split (tail_slots): 7 column blocks on 3 slots, so blocks 6 runs in 3 programs of 2 + 2 + 1 K steps;
+  # and 5 blocks on 4 slots with the halves decoder reading x in place (the last block in 4 ranges of one step).
+  (20, 160, 112, jnp.float16, Nvfp4MatmulConfig(block_m=32, block_n=16, block_k=32, tail_slots=3)),
+  (37, 128, 72, jnp.bfloat16, Nvfp4MatmulConfig(block_m=64, block_n=16, block_k=32, dequant="halves",
+                                                x_in_place=True, tail_slots=4)),
 ]
 # The gemv with float16 block sums (``half_products``): one and two rows, a ragged split with prefetch, float16 x,
 # the e4m3-route PTX decoder (interpret mode runs its jnp twin).
@@ -201,6 +206,25 @@ def test_fwd_kernel_matches_oracle(request, m, k, n, dtype, cfg):
                               interpret=True, poison=True)
   assert y.shape == (m, n) and y.dtype == dtype
   _assert_close(y, x, _dequant_np(q), dtype)
+
+
+def test_tail_plan_splits_only_the_blocks_past_the_last_whole_round():
+  from qerl_kernels.nvfp4_matmul_fwd import TailPlan, tail_plan
+  tile = Nvfp4MatmulConfig(block_m=64, block_n=64, block_k=128, num_warps=2, tail_slots=528)
+  # 7B gate|up at 64 rows: 592 blocks on 528 slots; the last 64 in 7 ranges of 4 of the 28 K steps, from the
+  # column where up's block 232 starts.
+  assert tail_plan(tile, 64, 28, (18944, 18944)) == TailPlan(528, 7, 18944 + 232 * 64)
+  assert tail_plan(tile, 64, 28, (37888,)) == TailPlan(528, 7, 528 * 64)
+  off = dataclasses.replace(tile, tail_slots=0)
+  for cfg, m, widths in ((off, 64, (37888,)),  # off
+                         (dataclasses.replace(tile, split=2), 64, (37888,)),  # already split
+                         (tile, 65, (37888,)),  # two row tiles
+                         (tile, 64, (33792,)),  # 528 blocks: one whole round
+                         (tile, 64, (18944,)),  # 296 blocks: less than one round
+                         (dataclasses.replace(tile, tail_slots=100), 64, (4096,))):  # 64 past 0: 100 // 64 = 1 part
+    assert tail_plan(cfg, m, 28, widths) is None, (cfg.tail_slots, m, widths)
+  with pytest.raises(ValueError, match="tail_slots"):
+    Nvfp4MatmulConfig(tail_slots=-1)
 
 
 def test_gemv_reads_x_in_place_with_no_layout_op(request):
@@ -908,6 +932,9 @@ _LOWERING_CASES = {  # name -> (direction, config, with the epilogue)
   # x @ A in extra programs of the gemv launch (a ragged split of the weight, the adapter in float32).
   "fwd-gemv-asm-xa": ("fwd", Nvfp4MatmulConfig(block_n=32, block_k=32, split=3, engine="gemv", dequant="asm",
                                                prefetch=True), "xa"),
+  # 3 column blocks on 2 slots: block 2 in 2 K ranges, the first adding the epilogue.
+  "fwd-tile-asm-tail-epilogue": ("fwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64, dequant="asm",
+                                                          tail_slots=2), True),
   "bwd-jnp": ("bwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64), False),
   "bwd-asm": ("bwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64, split=2, dequant="asm"), False),
 }

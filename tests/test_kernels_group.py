@@ -26,6 +26,10 @@ CASES = {  # name -> (rows, K, member widths, config)
   "tile-6-rows-halves": (6, 128, (48, 16, 40), Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=32, split=2,
                                                                  dequant="halves")),
   "tile-37-rows": (37, 64, (64, 24), Nvfp4MatmulConfig(block_m=16, block_n=16, block_k=32, group_m=2)),
+  # A tail split across two members: 6 column blocks on 4 slots, so the second member's masked last block and the
+  # third member's block run in 2 K ranges each (3 + 2 steps), their partials added after the launch.
+  "tile-20-rows-tail": (20, 160, (48, 24, 8), Nvfp4MatmulConfig(block_m=32, block_n=16, block_k=32, dequant="halves",
+                                                                x_in_place=True, tail_slots=4)),
 }
 
 
@@ -52,6 +56,12 @@ def _assert_dx_close(dx, dy, layers, widths):
   assert not np.isnan(f64(dx)).any() and (err <= tol).all(), f"{(err > tol).sum()} wrong; max err {err.max()}"
 
 
+def test_the_tail_case_splits_a_tail_across_two_members():
+  from qerl_kernels.nvfp4_matmul_fwd import TailPlan, tail_plan
+  m, k, widths, cfg = CASES["tile-20-rows-tail"]
+  assert tail_plan(cfg, m, k // cfg.block_k, widths) == TailPlan(4, 2, 48 + 16)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_group_forward_and_gradient_match_each_members_oracle(request, case):
   rng = _rng(request)
@@ -73,7 +83,7 @@ def test_group_forward_and_gradient_match_each_members_oracle(request, case):
     np.testing.assert_array_equal(y_i, np.asarray(kernels.nvfp4_matmul_reference(x, qs[LAYER]), np.float32))
 
 
-@pytest.mark.parametrize("case", ["gemv-1-row-split", "tile-6-rows-halves"])
+@pytest.mark.parametrize("case", ["gemv-1-row-split", "tile-6-rows-halves", "tile-20-rows-tail"])
 def test_group_epilogue_adds_the_bias_and_adapter_at_each_members_columns(request, case):
   # The epilogue's operands span the group's columns (biases side by side, B block-diagonal in the model);
   # here a dense B: each member's block of columns must meet its own columns of B and the bias.
@@ -125,7 +135,7 @@ def test_bad_groups_raise_clear_errors(request):
     kernels.nvfp4_matmul(x, kernels.Nvfp4Group((one, stack)), interpret=True)
 
 
-@pytest.mark.parametrize("case", ["gemv-1-row-split", "tile-6-rows-halves"])
+@pytest.mark.parametrize("case", ["gemv-1-row-split", "tile-6-rows-halves", "tile-20-rows-tail"])
 def test_group_kernels_lower_to_triton_for_cuda(case):
   """The group's branches (one per member, on the program's column block) through the Pallas -> Triton step
   that interpret mode skips, with the PTX decoder the GPU runs."""
