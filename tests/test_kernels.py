@@ -227,6 +227,22 @@ def test_tail_plan_splits_only_the_blocks_past_the_last_whole_round():
     Nvfp4MatmulConfig(tail_slots=-1)
 
 
+def test_tail_split_hands_a_consumer_one_finished_output(request):
+  # Kernels that add split-K partials themselves (the decode step's, through sum_splits=False) get [1, M, N] in x's
+  # dtype from a tail-split launch: its tail is already added, as an unsplit launch's output is.
+  rng = _rng(request)
+  m, k, n = 24, 128, 80
+  q = _random_q(rng, k, n)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  cfg = config_lib.fit(Nvfp4MatmulConfig(block_m=32, block_n=16, block_k=32, tail_slots=4), "fwd", m, k, n)
+  from qerl_kernels.nvfp4_matmul_fwd import TailPlan, tail_plan
+  assert tail_plan(cfg, m, k // cfg.block_k, (n,)) == TailPlan(4, 4, 64)  # block 4 in 4 ranges of one K step
+  kw = dict(config=cfg, interpret=True, poison=True)
+  parts = nvfp4_matmul_fwd_pallas(x, q.packed_NxKh, q.scale_NxKb, q.global_scale, sum_splits=False, **kw)
+  assert parts.shape == (1, m, n) and parts.dtype == jnp.bfloat16
+  _assert_close(parts[0], x, _dequant_np(q), jnp.bfloat16)
+
+
 def test_gemv_reads_x_in_place_with_no_layout_op(request):
   # x_in_place: the operand the gemv launch gets is x itself (a reshape, no transpose or float32 copy); the
   # default lays out float32 planes first. Both give the oracle's product.
