@@ -80,7 +80,7 @@ def logical_order(a_MxK: jax.Array, block_k: int) -> jax.Array:
 
 def nvfp4_matmul_fwd_kernel(x_ref, layer_ref, *refs, widths: tuple[int, ...], block_m: int, block_n: int,
                             block_k: int, steps: int, group_m: int, split: int, dequant: str = "jnp",
-                            epilogue: Epilogue = Epilogue(), x_in_place: bool = False, tail: "TailPlan | None" = None):
+                            epilogue: Epilogue = Epilogue(), x_in_place: bool = False, tail: TailPlan | None = None):
   """One [block_m, block_n] output tile over one contraction split.
 
   x_ref [M, K] (with a halves-layout dequant, each block_k run of columns holds the run's even columns,
