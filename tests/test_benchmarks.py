@@ -145,6 +145,22 @@ def test_device_time_per_call_comes_from_each_timed_programs_kernels():
   assert first["device_roofline_frac"] == round(first["roofline_us"] / 20.0, 3) and "_programs" not in first
   assert "device_us" not in second and second["bf16_device_us"] == 35.0  # its program is not in the trace
   assert bench_kernels._rank_us(first) == 20.0 and bench_kernels._rank_us(second) == 9.0
+  assert "rounds" not in first  # that launch string names no grid
+
+
+def test_rounds_of_programs_from_a_launch_record():
+  from experiments import bench_kernels
+  rounds = bench_kernels.launch_rounds
+  # The 2-warp 64-row tile on 7B gate|up (H100, d4f251b): 12.5% of 64 warps is 8 warps, 4 programs of 2 per SM.
+  assert rounds("regs:236 dynamic_shared:41984 grid:592,1,1 block:64,1,1 occ_pct:12.5", 132) == round(592 / 528, 3)
+  # XLA's GEMM: a 2-D grid of 132 programs of 12 warps, one per SM at 18.75%.
+  assert rounds("regs:168 grid:2,66,1 block:384,1,1 occ_pct:18.75", 132) == 1.0
+  assert rounds("grid:3,5,7 block:96,1,1 occ_pct:50", 10) == round(105 / (32 // 3 * 10), 3)
+  assert rounds("regs:90", 132) is None and rounds("grid:4,1,1 block:64,1,1 occ_pct:0", 132) is None
+  recs = [bench_kernels._record("fwd", 256, 128, 64, bench_kernels.Timing(30.0, "jit_bench_1", 10), None, 4e12)]
+  bench_kernels.add_device_us(recs, {"jit_bench_1": 300.0}, 4e12, {"jit_bench_1": "grid:1056,1,1 block:64,1,1 "
+                                                                                  "occ_pct:12.5"}, num_sms=132)
+  assert recs[0]["rounds"] == 2.0 and recs[0]["device_us"] == 30.0
 
 
 def test_tuning_entries_let_only_candidates_timed_on_every_shape_win():
