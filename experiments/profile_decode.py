@@ -127,7 +127,7 @@ def fused_computation(hlo_text: str, kernel: str, max_lines: int = 24) -> str:
   if called:
     body = re.search(rf"^%?{re.escape(called.group(1))} [^\n]*\{{\n(.*?)\n\}}", hlo_text, re.M | re.S)
     if body:
-      out += ["    " + l.strip()[:200] for l in body.group(1).splitlines()[:max_lines]]
+      out += ["    " + line.strip()[:200] for line in body.group(1).splitlines()[:max_lines]]
   return "\n".join(out)
 
 
@@ -202,7 +202,7 @@ def run(args):
   for quant in args.quants:
     base = synthetic_base(model_config(args.model), quant)
     # bf16 has no kernel epilogue and nothing to merge
-    variants = [(a, l, f, g, t, pt, nf) for l in args.decode_layers for a in args.decode_attention
+    variants = [(a, ly, f, g, t, pt, nf) for ly in args.decode_layers for a in args.decode_attention
                 for f in (args.lora_epilogue if quant == "nvfp4" else ["xla"])
                 for g in (args.merged_launches if quant == "nvfp4" else ["none"])
                 for t in (args.tunings if quant == "nvfp4" else [""])

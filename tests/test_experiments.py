@@ -242,7 +242,7 @@ def test_plot_writes_png_and_table_matching_numpy(tmp_path, capsys):
   reward_SxT = np.array([[r["reward/mean"] for r in rows if r["variant"] == "nvfp4" and r["seed"] == s]
                          for s in range(3)])
   per_seed = reward_SxT[:, -4:].mean(1)
-  line = next(l for l in table.splitlines() if l.startswith("| nvfp4 |"))
+  line = next(row for row in table.splitlines() if row.startswith("| nvfp4 |"))
   cells = [c.strip() for c in line.strip("|").split("|")]
   assert cells[1] == "3"
   assert cells[3] == f"{per_seed.mean():.3f} ± {per_seed.std(ddof=1):.3f}"
@@ -253,7 +253,7 @@ def test_plot_writes_png_and_table_matching_numpy(tmp_path, capsys):
   # The last column: each seed's mean reward over all its steps, mean ± std over seeds.
   per_seed_all = reward_SxT.mean(1)
   assert cells[8] == f"{per_seed_all.mean():.3f} ± {per_seed_all.std(ddof=1):.3f}"
-  r16 = next(l for l in table.splitlines() if l.startswith("| r16 |"))
+  r16 = next(row for row in table.splitlines() if row.startswith("| r16 |"))
   assert [c.strip() for c in r16.strip("|").split("|")][7] == "0.250"
 
 

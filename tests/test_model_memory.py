@@ -90,7 +90,7 @@ def test_loading_peak_memory_is_quantized_model_plus_a_layer(tmp_path):
   proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "ckpt"), "24", "512", "2048"],
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
+  line = [out for out in proc.stdout.splitlines() if out.startswith("RESULT ")][-1]
   r = json.loads(line[len("RESULT "):])
   mb = {k: round(v / 2**20, 1) for k, v in r.items()}
   # The measurement works: the quantized model itself is allocated during the measured load...

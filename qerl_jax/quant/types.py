@@ -91,7 +91,7 @@ def is_quantized(x: Any) -> bool:
 def nbytes(x: Any) -> int:
   """Device bytes of a (possibly quantized) weight."""
   leaves = jax.tree_util.tree_leaves(x)
-  return sum(int(l.size) * jnp.dtype(l.dtype).itemsize for l in leaves)
+  return sum(int(leaf.size) * jnp.dtype(leaf.dtype).itemsize for leaf in leaves)
 
 
 __all__ = [
