@@ -203,7 +203,8 @@ def _plan_split(cfg: Nvfp4MatmulConfig, tiles: int, k: int, n: int, block_n: int
   # down_proj ran, at 1 row (gemv, 4aae426), 83 us unsplit (224 programs) and 64-69 us split 2-4 with shorter
   # K steps; at 16 rows (tile kernel, 5c4c18a), 218 us with 56 programs and 109 us with 112.
   while direction == "fwd" and auto_split and tiles * split < target and block_k > 128:
-    finer = _split(cfg.split, tiles, k, n, block_n, block_k // 2, direction, target, auto_split, ragged)
+    finer = _split(cfg.split, tiles, k, n, block_n, block_k // 2, direction, target, auto_split, ragged,
+                   cfg.one_round)
     if finer <= split:  # shorter steps alone buy nothing
       break
     block_k, split = block_k // 2, finer

@@ -522,6 +522,15 @@ def test_one_round_split_is_the_largest_that_fits_one_round():
   assert {name: programs(*kn, one_round=True, ragged_split=True) for name, kn in shapes.items()} == {
     "qkv": (252, 7), "o": (224, 8), "down": (252, 9), "gate_up": (296, 1)}
   assert config_lib.split_trips(56, 7) == (8, 7) and config_lib.split_trips(296, 9) == (33, 9)
+  # A few-row forward short of the target tries shorter K steps; with one_round those obey the cap too. The H200's
+  # 3-16-row tile aims at 5 programs per SM (660): 7B down at 8 rows (56 column tiles, 74 K steps of 256) takes 11
+  # ragged ranges of 7 (616 programs); halving block_k would allow 12 ranges of 13 of its 148 steps, 672 programs.
+  few = config_lib.get_config("fwd", 8, 18944, 3584, "NVIDIA H200")
+  assert (few.programs_per_sm, few.ragged_split, few.split) == (5, True, 13)  # uncapped: 728 programs
+  capped = config_lib.fit(dataclasses.replace(few, split=1, block_k=256, one_round=True), "fwd", 8, 18944, 3584,
+                          auto_split=True)
+  assert (capped.block_k, capped.split, 56 * capped.split) == (256, 11, 616)
+  assert config_lib.split_trips(74, 11) == (7, 11) and config_lib.split_trips(148, 12) == (13, 12)
   # The backward's split over N obeys the same cap: 7B o_proj at 128 rows has 2 x 28 tiles of dx (64 x 128) and
   # 56 N steps of 64: split 8 (448 programs) uncapped, 4 (224) capped.
   bwd = Nvfp4MatmulConfig(block_m=64, block_n=64, block_k=128)
