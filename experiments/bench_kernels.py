@@ -35,6 +35,7 @@ import numpy as np
 from experiments import provenance
 from experiments.bench_dot_forms import hlo_launches
 from experiments.bench_rollout import copy_bandwidth
+from experiments.profile_decode import launch_rounds
 from qerl_kernels import xla_dequant
 from qerl_kernels import config as config_lib
 from qerl_kernels.config import Nvfp4MatmulConfig
@@ -297,24 +298,6 @@ def _record(direction, k, n, rows, timed: Timing, bf16: Timing | None, bw, **ext
   return dict(rows=rows, k=k, n=n, direction=direction, us=round(us, 2), bf16_us=round(bf16_us, 2),
               speedup=round(bf16_us / us, 3), roofline_frac=round(roof_us / us, 3), roofline_us=round(roof_us, 2),
               **extra, _programs=(timed, bf16))
-
-
-MAX_WARPS_PER_SM = 64  # sm_90 (H100, H200)
-
-
-def launch_rounds(launch: str, num_sms: int) -> float | None:
-  """Rounds of programs a launch runs: its programs over the ones that fit the GPU at once (occupancy's warps per
-  SM over the warps per program, times the SMs), from a ``launch`` string ("grid:592,1,1 block:64,1,1
-  occ_pct:12.5 ..."); None where the string lacks those fields. 1.12 rounds is a full round and a nearly empty
-  one: at 64 rows 7B gate|up ran 84.2 us against 61.5 for one full round (H100, d4f251b)."""
-  fields = dict(f.split(":", 1) for f in launch.split() if ":" in f)
-  try:
-    programs = math.prod(int(v) for v in fields["grid"].split(","))
-    warps = -(-int(fields["block"].split(",")[0]) // 32)
-    per_sm = round(float(fields["occ_pct"]) / 100 * MAX_WARPS_PER_SM) // warps
-  except (KeyError, ValueError):
-    return None
-  return round(programs / (per_sm * num_sms), 3) if per_sm else None
 
 
 def add_device_us(records: list, module_us: dict[str, float], bw: float,
