@@ -35,7 +35,7 @@ import numpy as np
 from experiments import provenance
 from experiments.bench_dot_forms import hlo_launches
 from experiments.bench_rollout import copy_bandwidth
-from experiments.profile_decode import launch_rounds
+from experiments.profile_decode import device_sms, launch_rounds
 from qerl_kernels import xla_dequant
 from qerl_kernels import config as config_lib
 from qerl_kernels.config import Nvfp4MatmulConfig
@@ -412,8 +412,7 @@ def bench_mosaic(k, n, rows, stages, tile_k, decode, tile_n, key, bf16_cache, bw
   """Checks (float32 reference, relative error < 1e-2) and times the Mosaic GPU forward kernel; returns a record."""
   from qerl_kernels import nvfp4_mgpu  # pylint: disable=import-outside-toplevel
   entry = _C(engine="mosaic", block_m=128, block_n=tile_n, block_k=tile_k, num_stages=stages)
-  sms = getattr(jax.devices()[0], "core_count", 132) or 132
-  cfg = dataclasses.replace(nvfp4_mgpu.from_matmul_config(entry, rows, k, n, num_sms=sms), decode=decode)
+  cfg = dataclasses.replace(nvfp4_mgpu.from_matmul_config(entry, rows, k, n, num_sms=device_sms()), decode=decode)
   ws, a = _case("fwd", k, n, rows, key, dtype)
   op = lambda x, w: nvfp4_mgpu.nvfp4_matmul_fwd_mgpu(x, *w, config=cfg, interpret=_INTERPRET)  # noqa: E731
   t0 = time.perf_counter()
@@ -639,8 +638,7 @@ def _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag, widt
     module_us = module_kernel_us(trace_dir) if traced else {}
     launches = module_launches(trace_dir) if traced else {}
     shutil.rmtree(trace_dir, ignore_errors=True)
-  add_device_us(case, module_us, bw, launches if args.trace else None,
-                num_sms=getattr(jax.devices()[0], "core_count", 132) or 132)
+  add_device_us(case, module_us, bw, launches if args.trace else None, num_sms=device_sms())
   return case
 
 

@@ -86,6 +86,12 @@ def module_kernel_us(trace_dir: str) -> dict[str, float]:
 MAX_WARPS_PER_SM = 64  # sm_90 (H100, H200)
 
 
+def device_sms() -> int:
+  """The first device's SM count (132 where jax does not say: the H100 SXM and H200 this project measures)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  return getattr(jax.devices()[0], "core_count", 132) or 132
+
+
 def launch_rounds(launch: str, num_sms: int) -> float | None:
   """Rounds of programs a launch runs: its programs over the ones that fit the GPU at once (occupancy's warps per
   SM over the warps per program, times the SMs), from a ``launch`` string ("grid:592,1,1 block:64,1,1
@@ -218,7 +224,7 @@ def run(args):
   from qerl_jax.rollout.sampling import SamplingParams
 
   records = []
-  num_sms = getattr(jax.devices()[0], "core_count", 132) or 132
+  num_sms = device_sms()
   for quant in args.quants:
     base = synthetic_base(model_config(args.model), quant)
     # bf16 has no kernel epilogue and nothing to merge

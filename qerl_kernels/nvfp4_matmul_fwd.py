@@ -49,13 +49,15 @@ def tail_plan(cfg: Nvfp4MatmulConfig, m: int, steps: int, widths: tuple[int, ...
 
   The blocks past the last whole round of ``tail_slots`` programs would run alone while the rest of the GPU idles;
   split into about tail_slots programs of a few K steps they fill the next round instead."""
-  blocks = nvfp4_tile.column_blocks(widths, cfg.block_n)
   if not cfg.tail_slots or cfg.split != 1 or m > cfg.block_m:
     return None
+  blocks = nvfp4_tile.column_blocks(widths, cfg.block_n)
   whole = blocks // cfg.tail_slots * cfg.tail_slots
   tail = blocks - whole
-  parts = config_lib.split_trips(steps, max(1, min(steps, cfg.tail_slots // max(tail, 1))))[1]
-  if not whole or not tail or parts < 2:
+  if not whole or not tail:
+    return None
+  parts = config_lib.split_trips(steps, max(1, min(steps, cfg.tail_slots // tail)))[1]
+  if parts < 2:
     return None
   first, offset = 0, 0
   for n in widths:  # the member holding block ``whole``, and where that block starts in y
@@ -229,20 +231,18 @@ def nvfp4_matmul_fwd_pallas(x_MxK: jax.Array, packed_NxKh: jax.Array, scale_NxKb
   # (profile_decode at 2b01cf1), 0.15 of a 3.75 ms step.
   reorder = cfg.dequant in HALVES_DECODERS and not cfg.x_in_place
   x_in = halves_order(x_MxK, cfg.block_k) if reorder else x_MxK
+  launch = functools.partial(nvfp4_tile.launch, operands=[x_in, *weight_operands, *epi_ops], rows=m, cols=n,
+                             dtype=x_MxK.dtype, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                             interpret=interpret, poison=poison, name="nvfp4_matmul_fwd")
   tail = tail_plan(cfg, m, k // cfg.block_k, widths)
-  if tail is not None:
-    partials = jax.ShapeDtypeStruct((tail.parts, m, n - tail.first_col), jnp.float32)
-    y, partials = nvfp4_tile.launch(
-        functools.partial(kernel, tail=tail), [x_in, *weight_operands, *epi_ops], rows=m, cols=n, split=1,
-        dtype=x_MxK.dtype, grid=(tail.whole + (num_n - tail.whole) * tail.parts, 1), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_matmul_fwd", extra_out=(partials,))
-    # The tail's columns of y are unwritten (NaN when poisoned) until its partial sums land there.
-    y = jax.lax.dynamic_update_slice(y, partials.sum(axis=0).astype(y.dtype), (0, tail.first_col))
-    return y if sum_splits else y[None]
-  return nvfp4_tile.launch(kernel, [x_in, *weight_operands, *epi_ops], rows=m, cols=n, split=cfg.split,
-                           dtype=x_MxK.dtype, grid=(num_m * num_n, cfg.split), num_warps=cfg.num_warps,
-                           num_stages=cfg.num_stages, interpret=interpret, poison=poison, name="nvfp4_matmul_fwd",
-                           sum_splits=sum_splits)
+  if tail is None:
+    return launch(kernel, split=cfg.split, grid=(num_m * num_n, cfg.split), sum_splits=sum_splits)
+  partials = jax.ShapeDtypeStruct((tail.parts, m, n - tail.first_col), jnp.float32)
+  y, partials = launch(functools.partial(kernel, tail=tail), split=1,
+                       grid=(tail.whole + (num_n - tail.whole) * tail.parts, 1), extra_out=(partials,))
+  # The tail's columns of y are unwritten (NaN when poisoned) until its partial sums land there.
+  y = jax.lax.dynamic_update_slice(y, partials.sum(axis=0).astype(y.dtype), (0, tail.first_col))
+  return y if sum_splits else y[None]
 
 
 def _mosaic(x_MxK, packed_NxKh, scale_NxKb, global_scale, cfg, interpret, layer, xa_MxR, b_RxN, bias_N, lora_scale):

@@ -221,7 +221,8 @@ def test_tail_plan_splits_only_the_blocks_past_the_last_whole_round():
                          (tile, 65, (37888,)),  # two row tiles
                          (tile, 64, (33792,)),  # 528 blocks: one whole round
                          (tile, 64, (18944,)),  # 296 blocks: less than one round
-                         (dataclasses.replace(tile, tail_slots=100), 64, (4096,))):  # 64 past 0: 100 // 64 = 1 part
+                         (dataclasses.replace(tile, tail_slots=100), 64, (4096,)),  # 64 blocks: no whole round
+                         (tile, 64, (27648, 27648))):  # 32B gate|up: 336 past 528, 528 // 336 = 1 part
     assert tail_plan(cfg, m, 28, widths) is None, (cfg.tail_slots, m, widths)
   with pytest.raises(ValueError, match="tail_slots"):
     Nvfp4MatmulConfig(tail_slots=-1)
