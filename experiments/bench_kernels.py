@@ -36,7 +36,7 @@ from experiments import provenance
 from experiments.bench_dot_forms import hlo_launches
 from experiments.bench_rollout import copy_bandwidth
 from experiments.profile_decode import device_sms, launch_rounds
-from qerl_kernels import xla_dequant
+from qerl_kernels import xla_backward_layout, xla_dequant
 from qerl_kernels import config as config_lib
 from qerl_kernels.config import Nvfp4MatmulConfig
 from qerl_kernels.nvfp4_matmul_bwd import nvfp4_matmul_bwd_pallas
@@ -554,7 +554,8 @@ def main(argv=None):
               cands += [c for c in GEMV_SETS[args.gemv_set] if not gemv_decoders or c.dequant in gemv_decoders]
           tag = dict(shape=f"qwen2.5-{model}.{layer}" if model else layer, commit=commit, device=device,
                      copy_tbps=round(bw / 1e12, 3), kernel_tuning=provenance.kernel_tuning(),
-                     xla_dequant=xla_dequant(), **({"l2_warm": True} if _L2_WARM else {}))
+                     xla_dequant=xla_dequant(), xla_backward_layout=xla_backward_layout(),
+                     **({"l2_warm": True} if _L2_WARM else {}))
           widths = group_widths(model, layer) if args.group and direction == "fwd" else ()
           case = _run_case(direction, k, n, rows, cands, key, bf16_cache, bw, args, tag, widths)
           for rec in case:

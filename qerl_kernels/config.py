@@ -378,6 +378,9 @@ def _read_json_version(path: str, mtime_ns: int) -> dict:
     _check_decode_kernels(f"tuning file {path}", data["decode_kernels"])
   if data.get("xla_dequant", "xla") not in XLA_DEQUANT:
     raise ValueError(f"tuning file {path}: \"xla_dequant\" must be one of {XLA_DEQUANT}, got {data['xla_dequant']!r}")
+  if data.get("xla_backward_layout", "NxK") not in XLA_BACKWARD_LAYOUTS:
+    raise ValueError(f"tuning file {path}: \"xla_backward_layout\" must be one of {XLA_BACKWARD_LAYOUTS}, "
+                     f"got {data['xla_backward_layout']!r}")
   fields = {f.name for f in dataclasses.fields(Nvfp4MatmulConfig)}
   for i, e in enumerate(data.get("entries", ())):
     where = f"tuning file {path}, entry {i}"
@@ -420,6 +423,7 @@ def xla_min_rows(device_kind: str | None) -> int | None:
 
 
 XLA_DEQUANT = ("xla", "words", "pallas")
+XLA_BACKWARD_LAYOUTS = ("NxK", "KxN")
 
 
 def xla_dequant(device_kind: str | None) -> str:
@@ -432,6 +436,15 @@ def xla_dequant(device_kind: str | None) -> str:
   gate/down at 2048 rows at 0.85-0.90x the bf16 dot's speed against 0.66-0.71x; the step's peak rose 14.4 -> 22.4 GB
   until the XLA path's barrier (14.8 GB with it, H100, fdbd31f)."""
   return _tuning_file(device_kind).get("xla_dequant", "xla") if device_kind else "xla"
+
+
+def xla_backward_layout(device_kind: str | None) -> str:
+  """The layout the XLA path's backward dequantizes a layer into, the tuning file's top-level
+  "xla_backward_layout": "NxK" (the stored order; JAX's transpose of the forward, dy @ W[N, K]: the default) or
+  "KxN" (a transposed copy, dy @ W[K, N]^T: the operand order of the bench's bf16 backward, which ran 7B q|k|v at
+  2048 rows in 117.4 us where the XLA path's took 151.2 on an H100 at d4f251b, while the XLA path's forward, in
+  the other order, beat the bf16 dot; whether the order explains it is what the option measures). Opt-in."""
+  return _tuning_file(device_kind).get("xla_backward_layout", "NxK") if device_kind else "NxK"
 
 
 def get_config(direction: str, m: int, k: int, n: int, device_kind: str | None = None,

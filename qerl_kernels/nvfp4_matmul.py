@@ -83,7 +83,38 @@ def xla_path_matmul(x: jax.Array, q: NVFP4Tensor | Nvfp4Group, **dot_kwargs) -> 
     # with the barrier 14.5 / 14.8 GB, H100, fdbd31f). The integer decode was measured without it (14.5 GB), so it
     # keeps that program.
     x, q = jax.lax.optimization_barrier((x, q))
+  if xla_backward_layout() == "KxN" and not is_stacked(q):
+    return _dot_with_KxN_backward(x, q, tuple(sorted(dot_kwargs.items())), jnp.dtype(x.dtype))
   return _dot_dequantized(x, q, dequantize_layer, **dot_kwargs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dot_with_KxN_backward(x, q, dot_items, x_dtype):
+  """The XLA path's forward; its backward (`_KxN_backward`) dequantizes into [K, N] ("xla_backward_layout")."""
+  del x_dtype  # the backward's
+  return _dot_dequantized(x, q, dequantize_layer, **dict(dot_items))
+
+
+def _dot_with_KxN_forward(x, q, dot_items, x_dtype):
+  return _dot_with_KxN_backward(x, q, dot_items, x_dtype), q
+
+
+def _KxN_backward(dot_items, x_dtype, q, dy):
+  """dx = dy @ W[K, N]^T, a 16-bit dot as JAX's transpose of the 16-bit forward is (float32 sums, one rounding).
+  A float32 dy (the epilogue's forward) is rounded to x's dtype first, where JAX's own transpose would run a
+  float32 x 16-bit dot.
+
+  The transposed copy is made physical behind a barrier: otherwise XLA folds the transpose into the dot's
+  dimension numbers and runs the [N, K] order again. The barrier with dy keeps the copy from being made before
+  the backward reaches this layer (the forward's reason for its barrier with x)."""
+  del dot_items
+  dy, q = jax.lax.optimization_barrier((dy.astype(x_dtype), q))
+  members = q.members if isinstance(q, Nvfp4Group) else (q,)
+  w_KxN = jax.lax.optimization_barrier(jnp.concatenate([dequantize_layer(m, x_dtype) for m in members]).T)
+  return jnp.einsum("...n,kn->...k", dy, w_KxN), jax.tree_util.tree_map(_zero_cotangent, q)
+
+
+_dot_with_KxN_backward.defvjp(_dot_with_KxN_forward, _KxN_backward)
 
 
 def _dot_dequantized(x, q, dequantize_NxK, **dot_kwargs) -> jax.Array:
@@ -98,6 +129,12 @@ def xla_dequant() -> str:
   """How the XLA path dequantizes a layer here: the tuning file's "xla_dequant" on a supported GPU, "xla" elsewhere
   (CPU, other GPUs). Benchmarks record it: it moves the peak memory the planner does not model."""
   return config_lib.xla_dequant(_device_kind()) if _gpu_supported() else "xla"
+
+
+def xla_backward_layout() -> str:
+  """The layout the XLA path's backward dequantizes into here: the tuning file's "xla_backward_layout" on a
+  supported GPU, "NxK" (JAX's own transpose of the forward) elsewhere."""
+  return config_lib.xla_backward_layout(_device_kind()) if _gpu_supported() else "NxK"
 
 
 def pallas_dequant_applies(q: NVFP4Tensor, dtype) -> bool:

@@ -3,6 +3,7 @@ lowering for a CUDA GPU, and when the dispatch takes it (only where a device's t
 
 import json
 import os
+import re
 import sys
 
 import jax
@@ -190,3 +191,51 @@ def test_a_tuning_file_changed_in_the_same_process_retraces_the_xla_path(tmp_pat
     # the barrier with x (the integer decode's division has a barrier of its own, over the scales)
     with_x = [line for line in program.splitlines() if "optimization_barrier" in line and "bf16[3,512]" in line]
     assert bool(with_x) == (mode == "words"), (i, mode)
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_the_xla_paths_KxN_backward_gives_the_same_gradient_from_a_transposed_copy(tmp_path, monkeypatch, group):
+  # "xla_backward_layout": "KxN": dx = dy @ W[K, N]^T over a physical transposed copy (the bf16 dot's backward
+  # order) instead of JAX's transpose dy @ W[N, K]. Same values; the copy must survive XLA's transpose folding.
+  mm = sys.modules["qerl_kernels.nvfp4_matmul"]
+  path = tmp_path / "tuning.json"
+  monkeypatch.setenv("QERL_KERNEL_TUNING", str(path))
+  monkeypatch.setattr(mm, "_device_kind", lambda: "NVIDIA H200")
+  monkeypatch.setattr(mm, "_gpu_supported", lambda: True)
+  rng = np.random.default_rng()
+  members = (_random_q(rng, 512, 48), _random_q(rng, 512, 16))
+  q = kernels.Nvfp4Group(members) if group else members[0]
+  n = sum(m.shape[1] for m in members) if group else 48
+  x = jnp.asarray(rng.standard_normal((2, 3, 512)), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((2, 3, n)), jnp.bfloat16)
+  # The weight as the path dequantizes it (bf16: the random global scale leaves some steps inexact in 16 bits).
+  w_KxN = np.concatenate([np.asarray(nvfp4.dequantize_NxK(m, jnp.bfloat16), np.float64).T
+                          for m in (q.members if group else (q,))], axis=1)
+  # each dx element: a float32 sum of exact bf16 products, rounded once to bf16
+  want = np.asarray(dy, np.float64) @ w_KxN.T
+  sum_error = 2 ** -20 * (np.abs(np.asarray(dy, np.float64)) @ np.abs(w_KxN).T)
+
+  def backward(**dot_kwargs):
+    f = lambda x: mm.xla_path_matmul(x, q, **dot_kwargs)  # noqa: E731
+    dt = jnp.float32 if dot_kwargs else x.dtype
+    return jax.jit(lambda x, dy: jax.vjp(f, x)[1](dy.astype(dt))[0])(x, dy)
+
+  for layout in ("NxK", "KxN"):
+    path.write_text(json.dumps({"xla_dequant": "words", "xla_backward_layout": layout}))
+    assert kernels.xla_backward_layout() == layout
+    for dot_kwargs in ({}, {"preferred_element_type": jnp.float32}):
+      dx = backward(**dot_kwargs)
+      assert dx.dtype == jnp.bfloat16 and dx.shape == x.shape
+      assert np.all(np.abs(np.asarray(dx, np.float64) - want) <= 2 ** -8 * np.abs(want) + sum_error), (layout, dot_kwargs)
+    program = jax.jit(lambda x, dy: jax.vjp(lambda x: mm.xla_path_matmul(x, q), x)[1](dy)).lower(x, dy)
+    # XLA's optimized program: the [K, N] copy is a physical transpose only where the option asks for it (without
+    # the barrier XLA folds it into the dot, and this finds none).
+    compiled = program.compile().as_text()
+    transposes = re.findall(rf"\[{x.shape[-1]},{n}\]\{{1,0\}} (?:copy|transpose)\(", compiled)
+    assert bool(transposes) == (layout == "KxN"), (layout, compiled)
+  # A bad value fails when the file is read, naming the key; a CPU never takes the option.
+  monkeypatch.setattr(mm, "_gpu_supported", lambda: False)
+  assert kernels.xla_backward_layout() == "NxK"
+  path.write_text(json.dumps({"xla_backward_layout": "NK"}))
+  with pytest.raises(ValueError, match='"xla_backward_layout" must be one of'):
+    config_lib.xla_backward_layout("NVIDIA H200")
