@@ -211,8 +211,9 @@ def test_microbatch_accumulation_equals_full_batch(rng, loss_type, level):
   for total, grad in micro:
     np.testing.assert_allclose(float(total), float(full_loss), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(grad), np.asarray(full_grad), rtol=1e-5, atol=1e-7)
-  # The global counts are what makes it exact: per-micro-batch normalisation differs.
-  assert abs(float(naive) - float(full_loss)) > 1e-4
+  # The global counts are what makes it exact: per-micro-batch normalisation differs. Relative to the losses' size:
+  # for "grpo" the naive sum is twice the full loss, which a random batch can put within 1e-4 of zero.
+  assert abs(float(naive) - float(full_loss)) > 1e-3 * max(abs(float(naive)), abs(float(full_loss))), (naive, full_loss)
 
 
 def test_jit_matches_eager_and_empty_batch(rng):
