@@ -441,9 +441,10 @@ def xla_dequant(device_kind: str | None) -> str:
 def xla_backward_layout(device_kind: str | None) -> str:
   """The layout the XLA path's backward dequantizes a layer into, the tuning file's top-level
   "xla_backward_layout": "NxK" (the stored order; JAX's transpose of the forward, dy @ W[N, K]: the default) or
-  "KxN" (a transposed copy, dy @ W[K, N]^T: the operand order of the bench's bf16 backward, which ran 7B q|k|v at
-  2048 rows in 117.4 us where the XLA path's took 151.2 on an H100 at d4f251b, while the XLA path's forward, in
-  the other order, beat the bf16 dot; whether the order explains it is what the option measures). Opt-in."""
+  "KxN" (a physical transposed copy, dy @ W[K, N]^T: the bench's bf16 backward's operand order).
+  Opt-in: on an H200 at bf9eb66 at 2048 rows "KxN" took 7B q|k|v 131.7 -> 110.8 us and o 105.7 -> 87.5 (0.83 ->
+  0.98-1.00x the bf16 dot) and left 7B down and 32B q|k|v / o / down within 0.5%, but the 7B GRPO step with
+  768-row update micro-batches went 12.40 -> 12.77 s (update 6.40 -> 6.77), one run each, not profiled."""
   return _tuning_file(device_kind).get("xla_backward_layout", "NxK") if device_kind else "NxK"
 
 

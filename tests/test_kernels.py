@@ -927,6 +927,30 @@ def test_xla_path_from_the_devices_measured_crossover(monkeypatch):
   assert mm.default_implementation(jnp.bfloat16, 1 << 20) == "pallas"
 
 
+
+def test_the_h200_files_64_row_forward_splits_only_7b_gate_up_past_its_round(monkeypatch):
+  # tail_slots 528 in the shipped file (timed on the bare 7B gate|up shape): of the 7B / 14B / 32B launches at
+  # 17-64 rows only 7B gate|up has blocks past a whole round that split in two or more K ranges.
+  from qerl_kernels.nvfp4_matmul_fwd import TailPlan, tail_plan
+  monkeypatch.delenv("QERL_KERNEL_TUNING", raising=False)
+  launches = {"7b": {"qkv": (3584, (3584, 512, 512)), "o": (3584, (3584,)), "gate_up": (3584, (18944, 18944)),
+                     "down": (18944, (3584,))},
+              "14b": {"qkv": (5120, (5120, 1024, 1024)), "o": (5120, (5120,)), "gate_up": (5120, (13824, 13824)),
+                      "down": (13824, (5120,))},
+              "32b": {"qkv": (5120, (5120, 1024, 1024)), "o": (5120, (5120,)), "gate_up": (5120, (27648, 27648)),
+                      "down": (27648, (5120,))}}
+  for rows in (17, 40, 64):
+    for model, layers in launches.items():
+      for layer, (k, widths) in layers.items():
+        cfg = config_lib.get_config("fwd", rows, k, sum(widths), "NVIDIA H200")
+        assert cfg.tail_slots == 528, cfg
+        plan = tail_plan(config_lib.fit(cfg, "fwd", rows, k, sum(widths)), rows, k // cfg.block_k, widths)
+        if (model, layer) == ("7b", "gate_up"):
+          assert plan == TailPlan(528, 7, 18944 + 232 * 64), (rows, plan)
+        else:
+          assert plan is None, (rows, model, layer, plan)
+  assert config_lib.get_config("fwd", 16, 3584, 37888, "NVIDIA H200").tail_slots == 0  # the 3-16-row tile: off
+
 _LOWERING_CASES = {  # name -> (direction, config, with the epilogue)
   "fwd-tile-jnp": ("fwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64), False),
   "fwd-tile-halves": ("fwd", Nvfp4MatmulConfig(block_m=16, block_n=32, block_k=64, dequant="halves"), False),
