@@ -86,9 +86,14 @@ def test_residual_norm_matches_the_unfused_steps(case):
   assert (h_apart <= 1.01).all() and (h_apart > 0).mean() < 0.02, f"{seed=}: h {h_apart.max()}"
   # Against float64 NumPy, rounding at the same places: the same within one ulp, but where float32 and float64
   # land on either side of an earlier bf16 rounding (then one ulp of that intermediate, a few of the output's).
+  # Where x + y cancels, an ulp of y is many of x_new's (and of h, x_new scaled): the bound grows with the sum's
+  # condition number (|x| + |y|) / |x + y|. (A fixed 8 ulps failed at seed 950733226 of case 0: x 5.03 and
+  # y -5.19 gave x_new -0.156 against -0.1875, one ulp of y and 25.6 of x_new, the kernel equal to XLA's order.)
+  x64 = np.asarray(jnp.asarray(args["x_MxD"], jnp.float32), np.float64)
+  condition = (np.abs(x64) + np.abs(np_x - x64)) / np.maximum(np.abs(np_x), 1e-30)
   for got, want in ((x_new, np_x), (h, np_h)):
     apart64 = _ulps_apart(got, want)
-    assert (apart64 <= 8).all() and _rare(apart64 > 1.01, 1e-3), f"{seed=}: {apart64.max()}"
+    assert (apart64 <= 8 * condition).all() and _rare(apart64 > 1.01, 1e-3), f"{seed=}: {apart64.max()}"
 
 
 def test_residual_norm_leaves_out_no_term():
