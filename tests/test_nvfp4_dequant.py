@@ -226,7 +226,8 @@ def test_the_xla_paths_KxN_backward_gives_the_same_gradient_from_a_transposed_co
     for dot_kwargs in ({}, {"preferred_element_type": jnp.float32}):
       dx = backward(**dot_kwargs)
       assert dx.dtype == jnp.bfloat16 and dx.shape == x.shape
-      assert np.all(np.abs(np.asarray(dx, np.float64) - want) <= 2 ** -8 * np.abs(want) + sum_error), (layout, dot_kwargs)
+      error = np.abs(np.asarray(dx, np.float64) - want)
+      assert np.all(error <= 2 ** -8 * np.abs(want) + sum_error), (layout, dot_kwargs)
     program = jax.jit(lambda x, dy: jax.vjp(lambda x: mm.xla_path_matmul(x, q), x)[1](dy)).lower(x, dy)
     # XLA's optimized program: the [K, N] copy is a physical transpose only where the option asks for it (without
     # the barrier XLA folds it into the dot, and this finds none).
