@@ -531,8 +531,7 @@ def main(argv=None):
   dev = jax.devices()[0]
   device = dev.device_kind
   commit = provenance.commit()
-  # 2 GiB on a GPU (past L2); a CPU smoke run's roofline means nothing, and 21 copies of 2 GiB cost it ~70 s.
-  bw = copy_bandwidth(2.0 if dev.platform == "gpu" else 1 / 64)
+  bw = copy_bandwidth(2.0)
   print(f"device={device} commit={commit} copy_bandwidth={bw / 1e12:.3f} TB/s", flush=True)
   key = jax.random.key(0)
   decoders = args.decoders.split(",") if args.decoders else []

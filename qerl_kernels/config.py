@@ -60,7 +60,8 @@ class Nvfp4MatmulConfig:
   SM x SMs, e.g. 4 x 132 for the 2-warp 64-row tile). Tiles past the last whole round of slots then run split
   along K in short programs that fill the next round, and their float32 partial sums are added after the launch
   (``nvfp4_matmul_fwd.tail_plan``). At 64 rows on an H100 (d4f251b) 7B gate|up's 592 programs took 84.2 us against
-  61.5 for 528: the 64 past one round ran alone. 0 (off) everywhere until timed.
+  61.5 for 528: the 64 past one round ran alone. 528 in the H200 file's 17-64-row entry since the fifteenth
+  session (bare 7B gate|up 83.5 -> 73.1 us, H200, bf9eb66); 0 (off) elsewhere.
   engine: "tensorcore" (the tile kernels above) or "gemv" (forward only, at most GEMV_MAX_ROWS rows: each
   decoded weight meets its x element in a float32 multiply-add on the CUDA cores; block_m is unused there
   and dequant is "asm" or the e4m3 route). ``fit`` turns a gemv config into a tensor-core one where gemv

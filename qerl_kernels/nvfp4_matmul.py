@@ -109,8 +109,7 @@ def _KxN_backward(dot_items, x_dtype, q, dy):
   the backward reaches this layer (the forward's reason for its barrier with x)."""
   del dot_items
   dy, q = jax.lax.optimization_barrier((dy.astype(x_dtype), q))
-  members = q.members if isinstance(q, Nvfp4Group) else (q,)
-  w_KxN = jax.lax.optimization_barrier(jnp.concatenate([dequantize_layer(m, x_dtype) for m in members]).T)
+  w_KxN = jax.lax.optimization_barrier(_layer_NxK(q, dequantize_layer, x_dtype).T)
   return jnp.einsum("...n,kn->...k", dy, w_KxN), jax.tree_util.tree_map(_zero_cotangent, q)
 
 
@@ -120,9 +119,13 @@ _dot_with_KxN_backward.defvjp(_dot_with_KxN_forward, _KxN_backward)
 def _dot_dequantized(x, q, dequantize_NxK, **dot_kwargs) -> jax.Array:
   if is_stacked(q):
     return jnp.matmul(x, dequantize(q, x.dtype), **dot_kwargs)
+  return jnp.einsum("...k,nk->...n", x, _layer_NxK(q, dequantize_NxK, x.dtype), **dot_kwargs)
+
+
+def _layer_NxK(q: NVFP4Tensor | Nvfp4Group, dequantize_NxK, dtype) -> jax.Array:
+  """One layer's [sum of N, K] weight in dtype, a group's members stacked along N."""
   members = q.members if isinstance(q, Nvfp4Group) else (q,)
-  w_NxK = jnp.concatenate([dequantize_NxK(m, x.dtype) for m in members], axis=0)
-  return jnp.einsum("...k,nk->...n", x, w_NxK, **dot_kwargs)
+  return jnp.concatenate([dequantize_NxK(m, dtype) for m in members], axis=0)
 
 
 def xla_dequant() -> str:

@@ -59,13 +59,9 @@ def tail_plan(cfg: Nvfp4MatmulConfig, m: int, steps: int, widths: tuple[int, ...
   parts = config_lib.split_trips(steps, max(1, min(steps, cfg.tail_slots // tail)))[1]
   if parts < 2:
     return None
-  first, offset = 0, 0
-  for n in widths:  # the member holding block ``whole``, and where that block starts in y
-    member_blocks = -(-n // cfg.block_n)
-    if whole < first + member_blocks:
-      return TailPlan(whole, parts, offset + (whole - first) * cfg.block_n)
-    first, offset = first + member_blocks, offset + n
-  raise AssertionError("unreachable: whole < blocks")
+  # where block ``whole`` starts in y: in the last member whose blocks start at or before it
+  first, _, offset = [span for span in nvfp4_tile.member_spans(widths, cfg.block_n) if span[0] <= whole][-1]
+  return TailPlan(whole, parts, offset + (whole - first) * cfg.block_n)
 
 
 def halves_order(a_MxK: jax.Array, block_k: int) -> jax.Array:

@@ -287,29 +287,37 @@ def group_operands(packed, scale, global_scale, layer) -> tuple[list, tuple[int,
   return [layer_1, *ops], tuple(widths)
 
 
+def member_spans(widths: tuple[int, ...], block_n: int) -> list[tuple[int, int, int]]:
+  """(first column block, column blocks, first output column) of each member of a group: each member's blocks
+  follow the previous member's, and a member's last block is masked at its own width, so no block spans two
+  weights."""
+  spans, first, offset = [], 0, 0
+  for n in widths:
+    blocks = -(-n // block_n)
+    spans.append((first, blocks, offset))
+    first, offset = first + blocks, offset + n
+  return spans
+
+
 def for_member(pid_n, widths: tuple[int, ...], block_n: int, work) -> None:
   """Calls ``work(member, its column block, its first output column)`` for the member of a group whose column
-  blocks hold ``pid_n`` (each member's blocks follow the previous member's; a member's last block is masked
-  at its own width, so no block spans two weights). One member: no branch."""
+  blocks hold ``pid_n`` (``member_spans``). One member: no branch."""
   from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
 
   if len(widths) == 1:
     work(0, pid_n, 0)
     return
-  first, offset = 0, 0
-  for member, n in enumerate(widths):
-    blocks = -(-n // block_n)
+  for member, (first, blocks, offset) in enumerate(member_spans(widths, block_n)):
 
     @pl.when((pid_n >= first) & (pid_n < first + blocks))
     def _(member=member, first=first, offset=offset):
       work(member, pid_n - first, offset)
 
-    first, offset = first + blocks, offset + n
-
 
 def column_blocks(widths: tuple[int, ...], block_n: int) -> int:
   """Column blocks of a group's grid (``for_member``)."""
-  return sum(-(-n // block_n) for n in widths)
+  first, blocks, _ = member_spans(widths, block_n)[-1]
+  return first + blocks
 
 
 def split_range(pid_s, steps: int, split: int):
