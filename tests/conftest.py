@@ -13,12 +13,15 @@ SHARED_DATA = os.environ.get("QERL_SHARED_DATA", os.path.join(os.path.dirname(RO
 # On a CPU machine the suite is compile-bound: XLA's CPU backend without LLVM's optimization passes compiles the
 # suite's many small programs faster than their slower code costs (two workers: tests/test_rollout_layers.py
 # with tests/test_kernels.py 100.7 -> 68.2 s, level 1 98.9 s; the whole suite 575 -> 466 s, though the GGUF
-# model's generation runs 18 -> 39 s). Set before jax starts, so the subprocesses tests run inherit it; a GPU
-# machine keeps its flags.
+# model's generation runs 18 -> 39 s). XLA's older CPU fusion emitters (LLVM IR, not the MLIR ones) compile faster
+# again (one process, jax 0.10.2: tests/test_rollout_layers.py 90.1 -> 58.1 s, test_kernels.py with
+# test_train_loop.py 158.1 -> 129.4 s; jaxlib 0.11.2 has the flag too). Set before jax starts, so the subprocesses
+# tests run inherit them; a GPU machine keeps its flags.
 import shutil  # noqa: E402
 
+CPU_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+  os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *CPU_COMPILE_FLAGS]).strip()
 
 import jax  # noqa: E402
 
