@@ -1,5 +1,6 @@
 """GGUF: the real SmolLM2-135M-Instruct file against transformers loading the same file; bad GGUF input."""
 
+import functools
 import os
 
 import jax.numpy as jnp
@@ -22,11 +23,19 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-  """The real SmolLM2 GGUF loaded by both sides in float32 (shared: each load takes seconds)."""
+  """The real SmolLM2 GGUF loaded by both sides in float32 (shared: each load takes seconds).
+
+  While loading, the gguf package's file parse and its tensor-name table are memoized: transformers parses the file
+  twice and builds the table once per tensor (397 times), ~30 s of the 40-60 s this took on CI's two cores. Both
+  are functions of their arguments alone, so each side still reads the file through the gguf package as before."""
+  import gguf  # pylint: disable=import-outside-toplevel
   path = smollm2_gguf_path()
-  model, tokenizer = from_pretrained(path, quant="bf16", dtype=jnp.float32, lora_rank=None)
-  hf = transformers.AutoModelForCausalLM.from_pretrained(
-    os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+  with pytest.MonkeyPatch.context() as patch:
+    for name in ("GGUFReader", "get_tensor_name_map"):
+      patch.setattr(gguf, name, functools.lru_cache(maxsize=None)(getattr(gguf, name)))
+    model, tokenizer = from_pretrained(path, quant="bf16", dtype=jnp.float32, lora_rank=None)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
   return model, tokenizer, hf
 
 
