@@ -519,18 +519,27 @@ def test_gemv_lora_xa_gives_the_same_decode_logits_and_adapter_gradients(monkeyp
   assert len(re.findall(r"name=_shared_launch\b", shared_jaxpr)) == 7 and "nvfp4_gemv_xa" not in plain_jaxpr
 
 
-def _prefill_then_decode(params, cfg, lora_scale, tokens, valid, noise, per_layer: bool) -> list:
+def _prefill_then_decode(params, cfg, lora_scale, tokens, valid, noise, per_layer: bool, jit_calls: bool = False
+                         ) -> list:
   """Logits of a prefill of the first 4 tokens (with a cache of 8 slots) and one decode step per later token, each
-  row at its own RoPE position (``valid`` [B, 8] marks its padding)."""
+  row at its own RoPE position (``valid`` [B, 8] marks its padding).
+
+  Unjitted, the cache index is a Python int, so each call sees only the slots written so far (a jaxpr of the whole
+  run, for counting kernel calls). With ``jit_calls`` each call is jitted with a traced index, as in the rollout's
+  loop: the decode steps share one program over the whole masked cache, and the compile (most of these tests' time
+  on a CPU) is one prefill and one step, not one program of every call unrolled."""
   positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
   prompt, steps = tokens[:, :4], tokens[:, 4:]
-  cache = init_cache(cfg, tokens.shape[0], 8, per_layer=per_layer)
-  logits, cache = forward(params, cfg, lora_scale, prompt, positions[:, :4], cache=cache, cache_index=0,
-                          valid_BxS=valid, norm_noise=noise)
+
+  def call(params, tokens_BxT, positions_BxT, cache, index):
+    return forward(params, cfg, lora_scale, tokens_BxT, positions_BxT, cache=cache, cache_index=index,
+                   valid_BxS=valid, norm_noise=noise)
+
+  call = jax.jit(call) if jit_calls else call
+  logits, cache = call(params, prompt, positions[:, :4], init_cache(cfg, tokens.shape[0], 8, per_layer=per_layer), 0)
   out = [logits]
   for i in range(steps.shape[1]):
-    logits, cache = forward(params, cfg, lora_scale, steps[:, i:i + 1], positions[:, 4 + i:5 + i], cache=cache,
-                            cache_index=4 + i, valid_BxS=valid, norm_noise=noise)
+    logits, cache = call(params, steps[:, i:i + 1], positions[:, 4 + i:5 + i], cache, 4 + i)
     out.append(logits)
   return out
 
@@ -568,14 +577,14 @@ def test_decode_partials_to_pallas_give_the_xla_decode_logits(monkeypatch, loop)
   # Row 1's first slot is padding: the rows' RoPE positions differ, so a row given the other's shows.
   valid = jnp.asarray(np.arange(8)[None, :] >= np.asarray([[0], [1]]))
 
-  def run(cfg):
-    return _prefill_then_decode(params, cfg, model.lora_scale, tokens, valid, noise, per_layer)
+  def run(cfg, jit_calls=False):
+    return _prefill_then_decode(params, cfg, model.lora_scale, tokens, valid, noise, per_layer, jit_calls)
 
   results = {}
   for mode in ("xla", "pallas", "fold"):
     cfg = config.replace(gemv_lora_xa=True, decode_partials="xla" if mode == "xla" else "pallas",
                          decode_attention=attention, decode_norm_fold=mode == "fold")
-    results[mode] = [np.asarray(y, np.float32) for y in jax.jit(lambda p, cfg=cfg: run(cfg))(params)]
+    results[mode] = [np.asarray(y, np.float32) for y in run(cfg, jit_calls=True)]
     results[mode + "-jaxpr"] = str(jax.make_jaxpr(lambda p, cfg=cfg: run(cfg))(params))
   # (Within the bf16 rounding flips that two orders of the same float32 sums make: the gemv_lora_xa test's
   # 0.02 of the largest logit, halved.)
@@ -621,14 +630,14 @@ def test_decode_partials_tiles_give_the_same_decode_logits_at_tile_rows(monkeypa
   steps = tokens[:, 4:]
   valid = jnp.asarray(np.arange(8)[None, :] >= np.asarray([[0], [1], [2], [0]]))
 
-  def run(cfg):
-    return _prefill_then_decode(params, cfg, model.lora_scale, tokens, valid, noise, True)
+  def run(cfg, jit_calls=False):
+    return _prefill_then_decode(params, cfg, model.lora_scale, tokens, valid, noise, True, jit_calls)
 
   results = {}
   for tiles in (False, True):
     cfg = config.replace(gemv_lora_xa=True, decode_partials="pallas", decode_attention="pallas",
                          decode_partials_tiles=tiles)
-    results[tiles] = [np.asarray(y, np.float32) for y in jax.jit(lambda p, cfg=cfg: run(cfg))(params)]
+    results[tiles] = [np.asarray(y, np.float32) for y in run(cfg, jit_calls=True)]
     results[f"{tiles}-jaxpr"] = str(jax.make_jaxpr(lambda p, cfg=cfg: run(cfg))(params))
   for want, got in zip(results[False], results[True]):
     np.testing.assert_allclose(got, want, atol=0.01 * np.abs(want).max(), err_msg=f"{seed=}")
