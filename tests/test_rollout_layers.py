@@ -155,7 +155,8 @@ def _decode_body_eqns(model, config, prompt, valid, key):
   return list(_eqns(body))
 
 
-@pytest.mark.parametrize("layers", ["unrolled", "scan"])
+# The stacked scan (not the rollout's default loop) is a slow case: ~13 s of CI's budget.
+@pytest.mark.parametrize("layers", ["unrolled", pytest.param("scan", marks=pytest.mark.slow)])
 def test_rollout_lora_dtype_samples_from_the_cast_adapters_cast_once(layers):
   # ModelConfig.rollout_lora_dtype = "bfloat16": a model with float32 adapters rolls out exactly as one whose
   # adapters were rounded to bf16 beforehand (same tokens, same log-probs); the cast happens before the decode

@@ -106,6 +106,9 @@ def _run_on_8_devices(*args, timeout=300):
   return proc
 
 
+# The integer decode's twin of the "words" test below (the same comparisons and sharding code; ~40 s of CI's
+# budget): CI keeps "words", the dequantization the GPU tuning file ships.
+@pytest.mark.slow
 def test_sharded_update_equals_unsharded_on_8_cpu_devices():
   proc = _run_on_8_devices(os.path.abspath(__file__))
   result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -119,7 +122,7 @@ def test_sharded_update_equals_unsharded_on_8_cpu_devices():
 
 def test_sharded_update_equals_unsharded_with_the_words_dequantization():
   # The Hopper file's "words" (shipped since the twelfth session) passes x and the weight through one barrier;
-  # the same comparisons as above, with every XLA-path matmul dequantizing that way.
+  # the same comparisons as the test above (slow), with every XLA-path matmul dequantizing that way.
   proc = _run_on_8_devices(os.path.abspath(__file__), "words")
   lines = proc.stdout.strip().splitlines()
   result, used = json.loads(lines[-2]), json.loads(lines[-1])
