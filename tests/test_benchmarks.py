@@ -539,7 +539,7 @@ def test_ncu_gemv_harness_runs_both_kernels(capsys):
   assert "tiny: y (1, 64) bfloat16" in capsys.readouterr().out
 
 
-@pytest.mark.slow  # a GPU profiling harness (~18 s of CI's budget); the kernel itself is tested in test_decode_attention
+@pytest.mark.slow  # a GPU profiling harness (~18 s of CI's budget); test_decode_attention tests the kernel
 def test_ncu_attention_harness_checks_the_kernel_against_the_models_attention(capsys):
   # 7B's heads over the 1280-slot cache, the token's own k and v written at the first and the last slot. At the
   # first slot the token sees only itself, so the output is its v exactly; at the last, the launch is within bf16
