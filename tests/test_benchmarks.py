@@ -320,6 +320,36 @@ def test_profile_decode_finds_a_kernels_fused_computation():
   assert profile_decode.fused_computation(hlo, "no_such_fusion_9") == "no_such_fusion_9: not in the compiled HLO"
 
 
+@pytest.mark.parametrize("layers", ["unrolled", "scan"])
+def test_profile_decode_program_copies_no_cache_into_its_loop(layers):
+  # The profiled decode steps take their KV cache donated, as a rollout's loop holds its own: passed in and not
+  # donated it was copied into the loop on every call, one copy per buffer, which the profiles then counted as
+  # decode-step time (memcpy128, 144 us per 7B step at batch 64) that no rollout spends. Made inside the program,
+  # its zeros are written on every call instead. The donated cache comes back with the steps written.
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from experiments.profile_decode import decode_program, model_config, synthetic_base
+  from qerl_jax.model import Transformer, init_cache
+  from qerl_jax.rollout.sampling import SamplingParams
+  config = model_config("smoke").replace(decode_layers=layers)
+  model = Transformer(config, synthetic_base(config, "bf16"), rngs=nnx.Rngs(0))
+  batch, slots, start = 3, 40, 8
+  cache = init_cache(config, batch, slots, per_layer=layers == "unrolled")
+  args = (jnp.int32(start), jnp.ones((batch, slots), bool), jax.random.key(0), jnp.zeros((2,)))
+  decode = decode_program(SamplingParams(temperature=1.0))
+  hlo = decode.lower(nnx.split(model), jnp.zeros((batch,), jnp.int32), cache, *args).compile().as_text()
+  hlo_type = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}  # the HLO text's element type names
+  shapes = {f"{hlo_type[jnp.dtype(a.dtype).name]}[{','.join(map(str, a.shape))}]" for a in jax.tree.leaves(cache)}
+  copies = [line.strip() for line in hlo.splitlines() if " copy(" in line and any(f"= {s}" in line for s in shapes)]
+  assert shapes and not copies, copies[:4]
+  tokens, out = decode(nnx.split(model), jnp.zeros((batch,), jnp.int32), cache, *args)
+  assert all(a.is_deleted() for a in jax.tree.leaves(cache))  # donated
+  import numpy as np
+  written = np.abs(np.asarray(out["k"][0], np.float32)).sum(axis=(0, 2, 3)) > 0  # layer 0's slots: [B, S, Hkv, Dh]
+  assert tokens.shape == (batch,) and written.tolist() == [start <= s < start + 2 for s in range(slots)]
+
+
 @pytest.mark.slow
 def test_profile_decode_runs_every_variant(tmp_path):
   out = tmp_path / "profile.json"
