@@ -171,7 +171,7 @@ def decode_program(sampling):
   """The rollout's decode body (engine.rollout), `steps_arr.shape[0]` times, on the model's decode_layers.
 
   The KV cache is donated: pass the cache the previous call returned. Not donated, it was copied into the loop on
-  every call (56 `memcpy128` per call at 7B: 144 us per step at batch 64 in the records until this session, with
+  every call (56 `memcpy128` per call at 7B: 144 us per step at batch 64 in the records before a2c9beb, with
   3.5 calls per 16-step call); made inside the program instead, its zeros are written every call (so the CPU compile
   shows). A rollout makes its cache once per 1024 steps, so neither cost belongs in a decode step's profile."""
   import functools
@@ -257,7 +257,7 @@ def run(args):
         token = jnp.zeros((batch,), jnp.int32)
         held = {"cache": init_cache(config, batch, args.cache_len, per_layer=layers == "unrolled")}
 
-        def go(seed, held=held):  # each call donates the cache the last one returned
+        def go(seed):  # each call donates the cache the last one returned
           out = decode(gs, token, held["cache"], jnp.int32(args.start), valid, jax.random.key(seed), steps_arr)
           held["cache"] = out[1]
           return out

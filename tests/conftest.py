@@ -15,8 +15,8 @@ SHARED_DATA = os.environ.get("QERL_SHARED_DATA", os.path.join(os.path.dirname(RO
 # with tests/test_kernels.py 100.7 -> 68.2 s, level 1 98.9 s; the whole suite 575 -> 466 s, though the GGUF
 # model's generation runs 18 -> 39 s). XLA's older CPU fusion emitters (LLVM IR, not the MLIR ones) compile faster
 # again (one process, jax 0.10.2: tests/test_rollout_layers.py 90.1 -> 58.1 s, test_kernels.py with
-# test_train_loop.py 158.1 -> 129.4 s; jaxlib 0.11.2 has the flag too). Set before jax starts, so the subprocesses
-# tests run inherit them; a GPU machine keeps its flags.
+# test_train_loop.py 158.1 -> 129.4 s; jaxlib 0.11.2's library names the flag too, not run there). Set before jax
+# starts, so the subprocesses tests run inherit them; a GPU machine keeps its flags.
 import shutil  # noqa: E402
 
 CPU_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
