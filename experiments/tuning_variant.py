@@ -21,22 +21,38 @@ from qerl_kernels import config as config_lib
 
 
 def variant(tuning: dict, direction: str, max_rows: int, changes: dict, shapes: list | None = None) -> dict:
-  """``tuning`` with ``changes`` applied to the config of its (direction, max_rows) entry for every shape; with
-  ``shapes`` ([K, N] pairs) that entry stays and a changed copy restricted to those shapes goes before it."""
+  """``tuning`` with ``changes`` applied to the config of every (direction, max_rows) entry: the general one and
+  any restricted to some shapes. With ``shapes`` ([K, N] pairs) those entries stay, and a changed copy of the
+  entry that now applies to those shapes goes before all of them (the first matching entry wins), so a shape
+  keeps the fields its own entry sets (e.g. the H200 file's one-row ``one_round`` for 7B down and q|k|v)."""
   out = json.loads(json.dumps(tuning))
-  general = [i for i, e in enumerate(out["entries"])
-             if e["direction"] == direction and e["max_rows"] == max_rows and e.get("shapes") is None]
+  same = [i for i, e in enumerate(out["entries"]) if e["direction"] == direction and e["max_rows"] == max_rows]
+  general = [i for i in same if out["entries"][i].get("shapes") is None]
   if len(general) != 1:
     have = sorted((e["direction"], e["max_rows"]) for e in out["entries"] if e.get("shapes") is None)
     raise ValueError(f"no single entry {direction}:{max_rows} for every shape in the tuning file; it has {have}")
-  entry = out["entries"][general[0]]
-  if shapes:
-    entry = json.loads(json.dumps(entry))
-    entry["shapes"] = [list(kn) for kn in shapes]
-    out["entries"].insert(general[0], entry)
+  if not shapes:
+    for i in same:
+      entry = out["entries"][i]
+      entry["config"].update(changes)
+      entry["source"] = f"variant of the tuned entry: {changes}" + (
+          f" (its shapes {entry['shapes']})" if entry.get("shapes") else "")
+      config_lib.Nvfp4MatmulConfig(**entry["config"])  # a bad field or value fails here, naming itself
+    return out
+
+  def applies(kn):  # the entry get_config picks for shape kn among this row count's entries
+    return next(i for i in same if out["entries"][i].get("shapes") is None or list(kn) in out["entries"][i]["shapes"])
+
+  origins = {applies(kn) for kn in shapes}
+  if len(origins) != 1:
+    raise ValueError(f"shapes {[list(kn) for kn in shapes]} are tuned by different {direction}:{max_rows} entries "
+                     "now; make one variant per group of shapes that share an entry")
+  entry = json.loads(json.dumps(out["entries"][origins.pop()]))
+  entry["shapes"] = [list(kn) for kn in shapes]
   entry["config"].update(changes)
-  entry["source"] = f"variant of the tuned entry: {changes}" + (f" for shapes {entry['shapes']}" if shapes else "")
+  entry["source"] = f"variant of the tuned entry: {changes} for shapes {entry['shapes']}"
   config_lib.Nvfp4MatmulConfig(**entry["config"])  # a bad field or value fails here, naming itself
+  out["entries"].insert(same[0], entry)
   return out
 
 

@@ -51,7 +51,8 @@ class Nvfp4MatmulConfig:
   one_round: the automatic split is the largest whose programs fit one round of ``programs_per_sm`` per SM,
   not the smallest that reaches it. At compute-bound rows a few programs past the round start a second, mostly
   idle one (7B at 128 rows, 41186a8: qkv 288 programs, o 392, gate_up 296 for 264 slots, and those three ran
-  0.48-0.69x the bf16 dot; down, 224, 0.74x). Untimed: off everywhere until measured.
+  0.48-0.69x the bf16 dot; down, 224, 0.74x). On in the H200 file only for the one-row gemv of 7B down and q|k|v,
+  whose ragged splits ran 1.08-1.11 rounds (-7% / -5% per call on an H100, c61662a); at 8 rows it lost everywhere.
   half_products: for the gemv engine with an e4m3-route decoder ("asm_e4m3", "jnp"), each NVFP4 block's 16
   products (E2M1 / 64 times x, exact in float16 once the kernel scales the block's x by a power of two into
   float16's range) and their sum are float16; the sum is then scaled and accumulated in float32. ``fit`` drops

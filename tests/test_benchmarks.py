@@ -5,6 +5,7 @@ sessions (a broken benchmark costs device time to discover) and check that every
 its float32 check first.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -376,7 +377,7 @@ def test_profile_decode_tunings_reach_the_kernel_configs(tmp_path, monkeypatch):
   monkeypatch.delenv("QERL_KERNEL_TUNING", raising=False)
   shipped = config_lib.get_config("fwd", 1, 3584, 18944, "NVIDIA H200")
   data = json.loads(open(config_lib._device_file("NVIDIA H200")).read())  # pylint: disable=protected-access
-  entry = next(e for e in data["entries"] if e["direction"] == "fwd" and e["max_rows"] == 1)
+  entry = next(e for e in data["entries"] if e["direction"] == "fwd" and e["max_rows"] == 1 and "shapes" not in e)
   entry["config"]["programs_per_sm"] = 2 * entry["config"]["programs_per_sm"]
   variant = tmp_path / "variant.json"
   variant.write_text(json.dumps(data))
@@ -506,16 +507,35 @@ def test_tuning_variant_changes_one_entry_and_refuses_bad_ones(tmp_path, monkeyp
   assert changed[0][1]["config"] == {**changed[0][0]["config"], "dequant": "asm_e4m3", "prefetch": 0, "num_warps": 8}
   with pytest.raises(ValueError, match="no single entry fwd:3"):
     tuning_variant.variant(base, "fwd", 3, {"num_warps": 8})
-  # --shapes: a changed copy for those shapes goes before the entry, which stays as it was for the others.
+  # --shapes: a changed copy for those shapes goes before the row count's entries, which stay as they were. The
+  # copy starts from the entry that tuned those shapes: the shipped file's one-row entry for 7B down (one_round).
+  ones = [i for i, e in enumerate(base["entries"]) if (e["direction"], e["max_rows"]) == ("fwd", 1)]
+  down_before = config_lib.get_config("fwd", 1, 18944, 3584, "NVIDIA H200")
   assert tuning_variant.main(["--entry", "fwd:1", "--shapes", "18944x3584", "--set", "block_n=64", "num_warps=8",
                               "--out", str(out)]) == 0
   got = json.load(open(out))
-  assert got["entries"][:4] == base["entries"][:4] and got["entries"][5:] == base["entries"][4:]
-  assert got["entries"][4]["shapes"] == [[18944, 3584]] and got["entries"][4]["config"] == {
-      **base["entries"][4]["config"], "block_n": 64, "num_warps": 8}
+  first = ones[0]
+  assert got["entries"][:first] == base["entries"][:first] and got["entries"][first + 1:] == base["entries"][first:]
+  assert got["entries"][first]["shapes"] == [[18944, 3584]]
   monkeypatch.setenv("QERL_KERNEL_TUNING", str(out))
-  assert config_lib.get_config("fwd", 1, 18944, 3584, "NVIDIA H200").block_n == 64
+  down = config_lib.get_config("fwd", 1, 18944, 3584, "NVIDIA H200")
+  assert (down.block_n, down.num_warps) == (64, 8)
+  fitted = ("block_n", "num_warps", "split", "block_k")  # the changed fields, and those `fit` derives from them
+  kept = lambda cfg: {k: v for k, v in dataclasses.asdict(cfg).items() if k not in fitted}  # noqa: E731
+  assert kept(down) == kept(down_before)  # every other field as it was for down (one_round included)
   assert config_lib.get_config("fwd", 1, 3584, 3584, "NVIDIA H200").block_n == 16
+  monkeypatch.delenv("QERL_KERNEL_TUNING")
+  # Without --shapes the change reaches every entry of that row count, the shape-restricted ones too.
+  assert tuning_variant.main(["--entry", "fwd:1", "--set", "block_n=32", "--out", str(out)]) == 0
+  monkeypatch.setenv("QERL_KERNEL_TUNING", str(out))
+  assert {config_lib.get_config("fwd", 1, k, n, "NVIDIA H200").block_n
+          for k, n in ((18944, 3584), (3584, 4608), (3584, 3584), (3584, 37888))} == {32}
+  assert config_lib.get_config("fwd", 1, 18944, 3584, "NVIDIA H200").one_round == down_before.one_round
+  monkeypatch.delenv("QERL_KERNEL_TUNING")
+  # Shapes tuned by different entries: one copy cannot start from both.
+  split_file = tuning_variant.variant(base, "fwd", 1, {"block_n": 64}, [[18944, 3584]])
+  with pytest.raises(ValueError, match=r"shapes \[\[18944, 3584\], \[3584, 3584\]\] are tuned by different fwd:1"):
+    tuning_variant.variant(split_file, "fwd", 1, {"block_n": 32}, [[18944, 3584], [3584, 3584]])
   with pytest.raises(SystemExit):
     tuning_variant.main(["--entry", "fwd:1", "--shapes", "18944by3584", "--set", "block_n=64", "--out", str(out)])
   with pytest.raises(ValueError, match="dequant"):
