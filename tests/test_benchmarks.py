@@ -520,8 +520,8 @@ def test_tuning_variant_changes_one_entry_and_refuses_bad_ones(tmp_path, monkeyp
   monkeypatch.setenv("QERL_KERNEL_TUNING", str(out))
   down = config_lib.get_config("fwd", 1, 18944, 3584, "NVIDIA H200")
   assert (down.block_n, down.num_warps) == (64, 8)
-  fitted = ("block_n", "num_warps", "split", "block_k")  # the changed fields, and those `fit` derives from them
-  kept = lambda cfg: {k: v for k, v in dataclasses.asdict(cfg).items() if k not in fitted}  # noqa: E731
+  def kept(cfg):  # all but the changed fields and those `fit` derives from them
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("block_n", "num_warps", "split", "block_k")}
   assert kept(down) == kept(down_before)  # every other field as it was for down (one_round included)
   assert config_lib.get_config("fwd", 1, 3584, 3584, "NVIDIA H200").block_n == 16
   monkeypatch.delenv("QERL_KERNEL_TUNING")
