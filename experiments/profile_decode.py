@@ -171,9 +171,10 @@ def decode_program(sampling):
   """The rollout's decode body (engine.rollout), `steps_arr.shape[0]` times, on the model's decode_layers.
 
   The KV cache is donated: pass the cache the previous call returned. Not donated, it was copied into the loop on
-  every call (56 `memcpy128` per call at 7B: 144 us per step at batch 64 in the records before a2c9beb, with
-  3.5 calls per 16-step call); made inside the program instead, its zeros are written every call (so the CPU compile
-  shows). A rollout makes its cache once per 1024 steps, so neither cost belongs in a decode step's profile."""
+  every call (at 7B, 56 `memcpy128` per 16-step call, 3.5 per step: 144 us per step at batch 64 in the records
+  before a2c9beb, none in those after it); made inside the program instead, its zeros are written every call (so
+  the CPU compile shows). A rollout makes its cache once per 1024 steps, so neither cost belongs in a decode step's
+  profile."""
   import functools
   import jax
   from flax import nnx

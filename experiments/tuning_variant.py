@@ -31,28 +31,25 @@ def variant(tuning: dict, direction: str, max_rows: int, changes: dict, shapes: 
   if len(general) != 1:
     have = sorted((e["direction"], e["max_rows"]) for e in out["entries"] if e.get("shapes") is None)
     raise ValueError(f"no single entry {direction}:{max_rows} for every shape in the tuning file; it has {have}")
-  if not shapes:
-    for i in same:
-      entry = out["entries"][i]
-      entry["config"].update(changes)
-      entry["source"] = f"variant of the tuned entry: {changes}" + (
-          f" (its shapes {entry['shapes']})" if entry.get("shapes") else "")
-      config_lib.Nvfp4MatmulConfig(**entry["config"])  # a bad field or value fails here, naming itself
-    return out
+  if shapes:
+    def applies(kn):  # the entry get_config picks for shape kn among this row count's (the first that matches)
+      return next(i for i in same if out["entries"][i].get("shapes") is None or list(kn) in out["entries"][i]["shapes"])
 
-  def applies(kn):  # the entry get_config picks for shape kn among this row count's entries
-    return next(i for i in same if out["entries"][i].get("shapes") is None or list(kn) in out["entries"][i]["shapes"])
-
-  origins = {applies(kn) for kn in shapes}
-  if len(origins) != 1:
-    raise ValueError(f"shapes {[list(kn) for kn in shapes]} are tuned by different {direction}:{max_rows} entries "
-                     "now; make one variant per group of shapes that share an entry")
-  entry = json.loads(json.dumps(out["entries"][origins.pop()]))
-  entry["shapes"] = [list(kn) for kn in shapes]
-  entry["config"].update(changes)
-  entry["source"] = f"variant of the tuned entry: {changes} for shapes {entry['shapes']}"
-  config_lib.Nvfp4MatmulConfig(**entry["config"])  # a bad field or value fails here, naming itself
-  out["entries"].insert(same[0], entry)
+    origins = {applies(kn) for kn in shapes}
+    if len(origins) != 1:
+      raise ValueError(f"shapes {[list(kn) for kn in shapes]} are tuned by different {direction}:{max_rows} entries "
+                       "now; make one variant per group of shapes that share an entry")
+    copy = json.loads(json.dumps(out["entries"][origins.pop()]))
+    copy["shapes"] = [list(kn) for kn in shapes]
+    out["entries"].insert(same[0], copy)
+    targets = [copy]
+  else:
+    targets = [out["entries"][i] for i in same]
+  for entry in targets:
+    entry["config"].update(changes)
+    entry["source"] = f"variant of the tuned entry: {changes}" + (
+        f" for shapes {entry['shapes']}" if entry.get("shapes") else "")
+    config_lib.Nvfp4MatmulConfig(**entry["config"])  # a bad field or value fails here, naming itself
   return out
 
 

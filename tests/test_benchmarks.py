@@ -329,6 +329,7 @@ def test_profile_decode_program_copies_no_cache_into_its_loop(layers):
   # its zeros are written on every call instead. The donated cache comes back with the steps written.
   import jax
   import jax.numpy as jnp
+  import numpy as np
   from flax import nnx
   from experiments.profile_decode import decode_program, model_config, synthetic_base
   from qerl_jax.model import Transformer, init_cache
@@ -345,7 +346,6 @@ def test_profile_decode_program_copies_no_cache_into_its_loop(layers):
   assert shapes and not copies, copies[:4]
   tokens, out = decode(nnx.split(model), jnp.zeros((batch,), jnp.int32), cache, *args)
   assert all(a.is_deleted() for a in jax.tree.leaves(cache))  # donated
-  import numpy as np
   written = np.abs(np.asarray(out["k"][0], np.float32)).sum(axis=(0, 2, 3)) > 0  # layer 0's slots: [B, S, Hkv, Dh]
   assert tokens.shape == (batch,) and written.tolist() == [start <= s < start + 2 for s in range(slots)]
 
@@ -509,12 +509,11 @@ def test_tuning_variant_changes_one_entry_and_refuses_bad_ones(tmp_path, monkeyp
     tuning_variant.variant(base, "fwd", 3, {"num_warps": 8})
   # --shapes: a changed copy for those shapes goes before the row count's entries, which stay as they were. The
   # copy starts from the entry that tuned those shapes: the shipped file's one-row entry for 7B down (one_round).
-  ones = [i for i, e in enumerate(base["entries"]) if (e["direction"], e["max_rows"]) == ("fwd", 1)]
+  first = next(i for i, e in enumerate(base["entries"]) if (e["direction"], e["max_rows"]) == ("fwd", 1))
   down_before = config_lib.get_config("fwd", 1, 18944, 3584, "NVIDIA H200")
   assert tuning_variant.main(["--entry", "fwd:1", "--shapes", "18944x3584", "--set", "block_n=64", "num_warps=8",
                               "--out", str(out)]) == 0
   got = json.load(open(out))
-  first = ones[0]
   assert got["entries"][:first] == base["entries"][:first] and got["entries"][first + 1:] == base["entries"][first:]
   assert got["entries"][first]["shapes"] == [[18944, 3584]]
   monkeypatch.setenv("QERL_KERNEL_TUNING", str(out))
