@@ -24,7 +24,10 @@ own ptxas reported (125).
 Found with it at 61ea4fd: the few-row tile kernel spent ~6.6 instructions per weight in its K loop, read its
 packed weights from shared memory two bytes at a time, and loaded block scales one byte at a time
 synchronously (fixed with an alignment hint at 0dcb044, which changed no timing); the gemv engine's loop has
-no async copies at all (Triton does not pipeline it).
+no async copies at all (Triton pipelines a loop without a dot only when the loop is marked). ``--pipeline``
+compiles the gemv with that mark (``Nvfp4MatmulConfig.pipeline``, ``qerl_kernels/loop_stages.py``): at 7B gate,
+one row (18th session), the codes', scales' and x's loads become LDGSTS, and the loop grows from 412 to 420 / 437
+instructions per trip at 2 / 3 stages (71 registers against 74, 7.7 / 13.3 KB of shared memory).
 """
 
 from __future__ import annotations
@@ -267,6 +270,9 @@ def main(argv=None):
   p.add_argument("--ragged", action="store_true",
                  help="tile forward: re-split automatically in ragged K ranges (Nvfp4MatmulConfig.ragged_split; "
                       "with --block, from its block_k)")
+  p.add_argument("--pipeline", action="store_true",
+                 help="gemv: mark the K loop for Triton's software pipeliner, num_stages deep (--block sets the "
+                      "depth; Nvfp4MatmulConfig.pipeline)")
   p.add_argument("--half", action="store_true",
                  help="gemv, e4m3-route decoder: float16 block sums (Nvfp4MatmulConfig.half_products)")
   p.add_argument("--epilogue", type=int, default=0, metavar="RANK",
@@ -308,6 +314,8 @@ def main(argv=None):
     cfg = dataclasses.replace(cfg, dequant=args.dequant)
   if args.prefetch != "tuned":
     cfg = dataclasses.replace(cfg, prefetch=int({"on": "1", "off": "0"}.get(args.prefetch, args.prefetch)))
+  if args.pipeline:
+    cfg = dataclasses.replace(cfg, pipeline=True, prefetch=0)
   if args.half:
     cfg = config_lib.fit(dataclasses.replace(cfg, half_products=True), args.direction, args.rows, k, n)
     if not cfg.half_products:

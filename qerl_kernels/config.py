@@ -63,6 +63,15 @@ class Nvfp4MatmulConfig:
   (``nvfp4_matmul_fwd.tail_plan``). At 64 rows on an H100 (d4f251b) 7B gate|up's 592 programs took 84.2 us against
   61.5 for 528: the 64 past one round ran alone. 528 in the H200 file's 17-64-row entry since the fifteenth
   session (bare 7B gate|up 83.5 -> 73.1 us, H200, bf9eb66); 0 (off) elsewhere.
+  pipeline: for the gemv engine, its K loop carries Triton's ``tt.num_stages`` mark (``loop_stages``), so Triton's
+  pipeliner streams the weights and block scales through shared memory by asynchronous copies ``num_stages - 1``
+  trips ahead. Unmarked (the default), Triton pipelines only loops with a dot, and each gemv program had one
+  trip of loads in flight: the load-only probes read 7B gate in ~13 us where the gemv took ~20 (RESULTS "Where
+  the one-row gemv's time goes"); a raw-Triton probe of the same gemv with cp.async ran gate_up and down 7% faster
+  and the short-K q|k|v and o slower (RESULTS "The one-row gemv written directly in Triton"). Offline SASS
+  (kernel_sass, pip Triton 3.6, 7B gate, one row): the codes', scales' and x's loads become LDGSTS (x in place
+  then loads as whole pairs, ``nvfp4_gemv_kernel``), +2% / +6% instructions per trip at 2 / 3 stages. Untimed in Pallas; off in the H200 file. The tile kernels' loops have dots
+  and are pipelined by ``num_stages`` alone.
   engine: "tensorcore" (the tile kernels above) or "gemv" (forward only, at most GEMV_MAX_ROWS rows: each
   decoded weight meets its x element in a float32 multiply-add on the CUDA cores; block_m is unused there
   and dequant is "asm" or the e4m3 route). ``fit`` turns a gemv config into a tensor-core one where gemv
@@ -90,6 +99,8 @@ class Nvfp4MatmulConfig:
   # gemv: read x where it lies, each nibble plane's columns by a stride-2 load; tile forward with a halves
   # decoder: load x's run as it lies and split its even / odd columns in registers (no reordered copy)
   x_in_place: bool = False
+  # gemv: mark the K loop for Triton's software pipeliner, num_stages deep (``qerl_kernels.loop_stages``)
+  pipeline: bool = False
 
   def __post_init__(self):
     if self.engine not in ENGINES:
@@ -107,6 +118,9 @@ class Nvfp4MatmulConfig:
       raise ValueError(f"bad config {self}")
     if not isinstance(self.tail_slots, int) or self.tail_slots < 0:
       raise ValueError(f"tail_slots={self.tail_slots!r} must be a count of programs (0: off)")
+    if self.pipeline and (self.prefetch or self.num_stages < 2):
+      raise ValueError(f"pipeline needs num_stages >= 2 and no manual prefetch, got num_stages={self.num_stages}, "
+                       f"prefetch={self.prefetch}")
 
 
 def _pow2_at_most(v: int) -> int:

@@ -35,7 +35,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from qerl_kernels import nvfp4_epilogue, nvfp4_tile
+from qerl_kernels import loop_stages, nvfp4_epilogue, nvfp4_tile
 from qerl_kernels.decode_residual_norm import PendingNorm, normalized, row_inv_rms
 from qerl_kernels.config import GEMV_MAX_ROWS, Nvfp4MatmulConfig
 from qerl_kernels.nvfp4_epilogue import Epilogue
@@ -72,7 +72,8 @@ def half_x_powers(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
 def nvfp4_gemv_kernel(x_ref, layer_ref, *refs, widths: tuple[int, ...], rows: int, block_n: int,
                       block_b: int, steps: int, split: int, dequant: str = "jnp",
                       epilogue: Epilogue = Epilogue(), prefetch: int = 0, xa: XaPlan | None = None,
-                      half: bool = False, x_in_place: bool = False, norm: NormPlan | None = None):
+                      half: bool = False, x_in_place: bool = False, norm: NormPlan | None = None,
+                      stages: int = 0):
   """One block_n slice of y for every row, over one split of the K blocks.
 
   x_ref f32 [M, 2, K/16, 8] (``gemv_x_layout``), or with ``x_in_place`` x itself as [M, K/16, 8, 2] (x's
@@ -86,6 +87,7 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, *refs, widths: tuple[int, ...], rows: in
   half: the e4m3-route codes, their products with x and each block's sum in float16, each row's x scaled into
   float16's range over this program's K range (``half_x_powers``; ``half_products``).
   prefetch: load the weights this many trips ahead (``k_loop``).
+  stages: >= 2 marks the K loop for Triton's software pipeliner, this many stages deep (``k_loop``); 0 does not.
   xa: also x @ A for a LoRA adapter (``XaPlan``): the refs end (*epilogue refs, a_ref, o_ref, xa_ref), and the
   first ``xa.columns`` columns of the grid compute it (``_lora_xa_partials``) while the others do the above.
   norm: x_ref holds the residual stream and the kernel reads its RMSNorm (``NormPlan``); the norm's refs follow
@@ -95,7 +97,11 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, *refs, widths: tuple[int, ...], rows: in
   pid_n, pid_s = pl.program_id(0), pl.program_id(1)
   weights, rest = [refs[3 * i:3 * i + 3] for i in range(len(widths))], refs[3 * len(widths):]
   norm_refs, rest = (rest[:norm.num_refs], rest[norm.num_refs:]) if norm is not None else ((), rest)
-  read_x = x_source(x_ref, rows, x_in_place, norm, norm_refs)
+  # Pipelined, x in place loads as whole (even, odd) pairs split in registers: a stride-2 load of bf16 is 2 bytes
+  # per element, under the 4 bytes Triton's pipeliner copies asynchronously, so it would stay a synchronous load
+  # in the loop (kernel_sass, 7B gate, one row: 4 LDG.E.U16 per trip; as pairs 2 LDGSTS, 440 -> 437 instructions
+  # per trip at 3 stages, 82 -> 71 registers).
+  read_x = x_source(x_ref, rows, ("pairs" if stages else "strided") if x_in_place else "planes", norm, norm_refs)
   if xa is None:
     *epi_refs, o_ref = rest
   else:
@@ -105,7 +111,7 @@ def nvfp4_gemv_kernel(x_ref, layer_ref, *refs, widths: tuple[int, ...], rows: in
     def member_block(member, pid_n, col_offset):
       _weight_block(read_x, layer_ref, *weights[member], epi_refs, o_ref, pid_n, pid_s, n=widths[member],
                     col_offset=col_offset, rows=rows, block_n=block_n, block_b=block_b, steps=steps, split=split,
-                    dequant=dequant, epilogue=epilogue, prefetch=prefetch, half=half)
+                    dequant=dequant, epilogue=epilogue, prefetch=prefetch, half=half, stages=stages)
     nvfp4_tile.for_member(pid_w, widths, block_n, member_block)
 
   if xa is None:
@@ -135,19 +141,24 @@ class XaPlan:
   rank: int
 
 
-def x_planes(x_ref, row, blocks, x_in_place: bool) -> tuple[jax.Array, jax.Array]:
+def x_planes(x_ref, row, blocks, layout: str) -> tuple[jax.Array, jax.Array]:
   """float32 [blocks, 8] of row ``row``'s even and odd columns over the K blocks ``blocks`` (``nvfp4_gemv_kernel``'s
-  two layouts of x_ref)."""
-  if x_in_place:
-    return tuple(x_ref[row, blocks, :, h].astype(jnp.float32) for h in (0, 1))
-  return x_ref[row, 0, blocks, :], x_ref[row, 1, blocks, :]
+  layouts of x_ref: "planes", or x in place read by a stride-2 load per plane, "strided", or whole, "pairs")."""
+  return _planes(_values(x_ref, (row,), blocks, layout), layout)
 
 
-def _vector_planes(v_ref, blocks, x_in_place: bool) -> tuple[jax.Array, jax.Array]:
-  """`x_planes` of a [K] vector stored in x's layout without the row: [K/16, 8, 2] in place, else [2, K/16, 8]."""
-  if x_in_place:
-    return tuple(v_ref[blocks, :, h].astype(jnp.float32) for h in (0, 1))
-  return tuple(v_ref[h, blocks, :].astype(jnp.float32) for h in (0, 1))
+def _values(ref, prefix: tuple, blocks, layout: str):
+  """float32 values of x's layout (``prefix``: the row, or none for a [K] vector stored so) over ``blocks``: the
+  (even, odd) planes [blocks, 8], or for "pairs" the whole [blocks, 8, 2], which ``_planes`` splits."""
+  if layout == "pairs":
+    return ref[(*prefix, blocks, slice(None), slice(None))].astype(jnp.float32)
+  index = (lambda h: (*prefix, h, blocks, slice(None))) if layout == "planes" else (
+      lambda h: (*prefix, blocks, slice(None), h))
+  return tuple(ref[index(h)].astype(jnp.float32) for h in (0, 1))
+
+
+def _planes(values, layout: str) -> tuple[jax.Array, jax.Array]:
+  return tuple(jax.lax.unstack(values, axis=-1)) if layout == "pairs" else values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +166,7 @@ class NormPlan:
   """The gemv's x is rms_norm(x_ref) (a decode step's pending norm, ``decode_residual_norm.PendingNorm``): after
   the weights' refs come ss_ref float32 [M, blocks] (each row's sums of squares over blocks of columns), the
   norm's scale and, with ``noise``, its AQN addition (float32), both in x_ref's layout without the row
-  (``_vector_planes``). Each program finishes every row's mean once and normalizes the x it loads, rounding to
+  (``_values``). Each program finishes every row's mean once and normalizes the x it loads, rounding to
   ``dtype`` as the norm's own launch does, so its products are those of the unfused path."""
 
   blocks: int
@@ -169,20 +180,24 @@ class NormPlan:
     return 3 if self.noise else 2
 
 
-def x_source(x_ref, rows: int, x_in_place: bool, norm: NormPlan | None = None, norm_refs=()):
+def x_source(x_ref, rows: int, layout: str, norm: NormPlan | None = None, norm_refs=()):
   """read(r, blocks) -> float32 [blocks, 8] planes (even, odd columns) of x's row r, or with ``norm`` of its
-  RMSNorm. Each row's 1 / rms is computed here, once per program, before any K loop."""
+  RMSNorm (``x_planes``' layouts). Each row's 1 / rms is computed here, once per program, before any K loop."""
   if norm is None:
-    return lambda r, blocks: x_planes(x_ref, jnp.int32(r), blocks, x_in_place)
+    return lambda r, blocks: x_planes(x_ref, jnp.int32(r), blocks, layout)
   ss_ref, w_ref, *noise_ref = norm_refs
   invs = [row_inv_rms(ss_ref, jnp.int32(r), blocks=norm.blocks, d=norm.d, eps=norm.eps) for r in range(rows)]
 
   def read(r, blocks):
-    xs = x_planes(x_ref, jnp.int32(r), blocks, x_in_place)
-    scales = _vector_planes(w_ref, blocks, x_in_place)
+    x = _planes(_values(x_ref, (jnp.int32(r),), blocks, layout), layout)
+    # The norm's vectors stay strided under "pairs": loaded as pairs too, Triton's layouts put the norm's math in
+    # the products' layout, where each value sits in many threads (kernel_sass, 7B gate|up, pipelined: 891
+    # instructions per trip against 490).
+    vectors = "strided" if layout == "pairs" else layout
+    scale = _values(w_ref, (), blocks, vectors)
     if norm.noise:
-      scales = tuple(w + z for w, z in zip(scales, _vector_planes(noise_ref[0], blocks, x_in_place)))
-    return tuple(normalized(x, invs[r], w, norm.dtype).astype(jnp.float32) for x, w in zip(xs, scales))
+      scale = jax.tree.map(jnp.add, scale, _values(noise_ref[0], (), blocks, vectors))
+    return jax.tree.map(lambda x, w: normalized(x, invs[r], w, norm.dtype).astype(jnp.float32), x, scale)
   return read
 
 
@@ -211,7 +226,7 @@ def _lora_xa_partials(read_x, a_ref, xa_ref, program, *, rows: int, plan: XaPlan
 
 def _weight_block(read_x, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_ref, pid_n, pid_s, *, n: int,
                   col_offset: int, rows: int, block_n: int, block_b: int, steps: int, split: int, dequant: str,
-                  epilogue: Epilogue, prefetch: int, half: bool = False):
+                  epilogue: Epilogue, prefetch: int, half: bool = False, stages: int = 0):
   """Column block ``pid_n`` of one weight's y over K split ``pid_s`` (``nvfp4_gemv_kernel``'s main work), written
   from output column ``col_offset`` on (a group member's place in y and in the epilogue's operands)."""
   layer = layer_ref[0]
@@ -262,7 +277,7 @@ def _weight_block(read_x, layer_ref, packed_ref, scale_ref, gs_ref, epi_refs, o_
 
   x_powers = [half_x_powers(amax) for amax in _x_amax(read_x, blocks, trips, rows)] if half else None
   zeros = tuple(jnp.zeros((block_n, block_b), jnp.float32) for _ in range(rows))
-  accs = k_loop(trips, load_weights, trip, zeros, prefetch)
+  accs = k_loop(trips, load_weights, trip, zeros, prefetch, stages)
   multiplier = nvfp4_tile.output_multiplier(gs_ref[layer], dequant, jnp.bfloat16)  # "asm" decodes in bf16
   for r, acc in enumerate(accs):
     y_N = jnp.sum(acc, axis=-1) * (multiplier if x_powers is None else multiplier * x_powers[r][1])
@@ -292,16 +307,23 @@ def _x_amax(read_x, blocks, trips, rows: int) -> tuple:
   return tuple(jnp.max(amax_Bx8) for amax_Bx8 in jax.lax.fori_loop(0, trips, trip, zeros))
 
 
-def k_loop(trips, load_weights, trip, zeros: tuple, prefetch: int) -> tuple:
+def k_loop(trips, load_weights, trip, zeros: tuple, prefetch: int, stages: int = 0) -> tuple:
   """The gemv's K loop: accs = trip(i, *load_weights(i), accs) for i < trips, from ``zeros``.
 
   prefetch: trip i loads trip i + prefetch's weights before its own math (the loaded tiles are carried in the
   loop state), since Triton does not software-pipeline this loop: the loads then overlap the math instead of
   stalling it. One trip ahead took 14-19% off the gemv (f391df6); more trips keep more bytes in flight per
   program at ~5 registers per trip.
+  stages: with no prefetch, >= 2 lets Triton do that instead (``loop_stages``): the loop is marked so that its
+  loads become asynchronous copies into shared memory, ``stages - 1`` trips ahead, without carrying the tiles in
+  registers. The mark sits on the first accumulator, in the loop body itself, where its lowering finds the loop.
   """
   if not prefetch:
-    return jax.lax.fori_loop(0, trips, lambda i, accs: trip(i, *load_weights(i), accs), zeros)
+    def body(i, accs):
+      if stages:
+        accs = (loop_stages.pipelined(accs[0], stages), *accs[1:])
+      return trip(i, *load_weights(i), accs)
+    return jax.lax.fori_loop(0, trips, body, zeros)
 
   def body(i, carry):
     accs, ahead = carry  # the weights of trips i .. i + prefetch - 1
@@ -345,7 +367,7 @@ def _launch(x_MxK, packed_NxKh, scale_NxKb, global_scale, cfg: Nvfp4MatmulConfig
                              block_b=cfg.block_k // 16, steps=k // cfg.block_k, split=cfg.split,
                              dequant=nvfp4_tile.decoder(cfg.dequant, interpret), epilogue=epi,
                              prefetch=cfg.prefetch, xa=plan, half=cfg.half_products, x_in_place=cfg.x_in_place,
-                             norm=norm_plan)
+                             norm=norm_plan, stages=cfg.num_stages if cfg.pipeline and loop_stages.available() else 0)
   for i in range(0, len(weights), 3):  # packed [L*N, K/2] as [L*N, K/16, 8]: one NVFP4 block per row
     weights[i] = weights[i].reshape(weights[i].shape[0], kb, 8)
   x_op = x_MxK.reshape(m, kb, 8, 2) if cfg.x_in_place else gemv_x_layout(x_MxK)
@@ -374,7 +396,7 @@ def _norm_operands(norm, x_in_place: bool) -> tuple[NormPlan | None, list]:
     raise ValueError(f"the pending norm's scale {norm.scale_D.shape} and sums {norm.ss_MxB.shape} do not fit x "
                      f"{norm.x_MxD.shape}")
 
-  def layout(v_K):  # x's layout without the row (``_vector_planes``)
+  def layout(v_K):  # x's layout without the row (``_values``)
     return v_K.reshape(k // 16, 8, 2) if x_in_place else v_K.reshape(k // 16, 8, 2).transpose(2, 0, 1)
 
   vectors = [norm.scale_D] + ([] if norm.noise_D is None else [norm.noise_D.astype(jnp.float32)])

@@ -97,6 +97,11 @@ FWD_CASES = [
   (5, 192, 56, jnp.float16, Nvfp4MatmulConfig(block_n=32, block_k=64, split=3, engine="gemv", x_in_place=True)),
   (1, 256, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, engine="gemv", dequant="asm_fma",
                                                x_in_place=True)),
+  # The gemv's K loop marked for Triton's software pipeliner (pipeline; interpret mode runs the mark as the
+  # identity): a ragged split, and the model's one-row decoder reading x in place at two stages.
+  (3, 160, 40, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, split=2, engine="gemv", pipeline=True)),
+  (1, 256, 48, jnp.bfloat16, Nvfp4MatmulConfig(block_n=16, block_k=32, engine="gemv", dequant="asm_fma",
+                                               x_in_place=True, num_stages=2, pipeline=True)),
   # A tail split (tail_slots): 7 column blocks on 3 slots, so blocks 6 runs in 3 programs of 2 + 2 + 1 K steps;
   # and 5 blocks on 4 slots with the halves decoder reading x in place (the last block in 4 ranges of one step).
   (20, 160, 112, jnp.float16, Nvfp4MatmulConfig(block_m=32, block_n=16, block_k=32, tail_slots=3)),

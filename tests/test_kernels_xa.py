@@ -199,12 +199,14 @@ def test_partials_are_the_shared_launchs_outputs_before_their_sums():
     _assert_xa_close(xa_parts[0], x, a, f"{seed=}")
 
 
-@pytest.mark.parametrize("in_place,noise,group", [(True, True, False), (False, False, False), (True, False, True)])
-def test_a_pending_norm_read_by_the_gemv_equals_the_norm_launch_then_the_gemv(in_place, noise, group):
+@pytest.mark.parametrize("in_place,noise,group,pipeline",
+                         [(True, True, False, False), (False, False, False, False), (True, False, True, True)])
+def test_a_pending_norm_read_by_the_gemv_equals_the_norm_launch_then_the_gemv(in_place, noise, group, pipeline):
   # decode_residual_norm.PendingNorm into nvfp4_matmul_xa_partials: the gemv normalizes x as it loads it (for the
   # weight's products and x @ A) and its partials equal those of the norm's own launch followed by the gemv, bit
   # for bit (the same float32 steps, rounded to bf16 at the same place). Both x layouts, AQN noise, a group
-  # launch, a K split and two rows.
+  # launch (with the K loops marked for Triton's pipeliner, as the model's pipelined config would), a K split and
+  # two rows.
   from qerl_kernels.decode_residual_norm import residual_add, residual_norm_reference
   seed = fresh_seed()
   rng = np.random.default_rng(seed)
@@ -220,7 +222,7 @@ def test_a_pending_norm_read_by_the_gemv_equals_the_norm_launch_then_the_gemv(in
   assert np.mean(np.asarray(h, np.float32) != np.asarray(want_h, np.float32)) < 0.02, f"{seed=}"
   q = kernels.Nvfp4Group((_random_q(rng, k, 24), _random_q(rng, k, 40))) if group else _random_q(rng, k, 40)
   a = jnp.asarray(rng.standard_normal((k, rank)) / np.sqrt(k), jnp.float32)
-  cfg = Nvfp4MatmulConfig(block_n=16, block_k=32, split=3, engine="gemv", x_in_place=in_place)
+  cfg = Nvfp4MatmulConfig(block_n=16, block_k=32, split=3, engine="gemv", x_in_place=in_place, pipeline=pipeline)
   got_parts, got_xa = kernels.nvfp4_matmul_xa_partials(pending, q, a, interpret=True, fwd_config=cfg)
   want_parts, want_xa = kernels.nvfp4_matmul_xa_partials(h, q, a, interpret=True, fwd_config=cfg)
   np.testing.assert_array_equal(np.asarray(got_parts), np.asarray(want_parts), err_msg=f"{seed=}")
