@@ -5,6 +5,7 @@
   QERL_KERNEL_TUNING=/tmp/e4m3.json python3 experiments/profile_decode.py --quants nvfp4 --batches 1 ...
   python3 -m experiments.tuning_variant --entry fwd:1 --shapes 18944x3584 --set block_n=64 num_warps=8 --out ...
   python3 -m experiments.tuning_variant --entry decode:swiglu --set block_n=128 num_warps=2 --out ...
+  python3 -m experiments.tuning_variant --base /tmp/a.json --entry fwd:1 --shapes 3584x37888 --set ... --out /tmp/b.json
 
 The way to try a tuning in the model (profile_decode, bench_rollout) against the unchanged file in the same
 GPU call, without editing ``qerl_kernels/tuning``. Values are parsed as JSON where they parse (8, true, 0.5), else
@@ -89,11 +90,15 @@ def main(argv=None) -> int:
   p.add_argument("--set", nargs="+", required=True, metavar="FIELD=VALUE")
   p.add_argument("--shapes", nargs="+", type=parse_shape, metavar="KxN",
                  help="change a copy of the entry that applies to these weight shapes only (put before it)")
+  p.add_argument("--base", default="",
+                 help="start from this tuning file (e.g. an earlier variant, to combine changes) instead of the "
+                      "device's")
   p.add_argument("--out", required=True)
   args = p.parse_args(argv)
   direction, which = args.entry.split(":")  # fwd:2, bwd:16, or decode:KERNEL
   changes = {k: _value(v) for k, v in (item.split("=", 1) for item in args.set)}
-  tuning = config_lib._read_json(config_lib._device_file(args.device))  # pylint: disable=protected-access
+  source = args.base or config_lib._device_file(args.device)  # pylint: disable=protected-access
+  tuning = config_lib._read_json(source)  # pylint: disable=protected-access
   if direction == "decode":  # decode:swiglu etc.: a decode kernel's launch fields, not a matmul entry
     if args.shapes:
       p.error("--shapes applies to matmul entries (fwd:R, bwd:R), not to decode kernels")
@@ -104,7 +109,8 @@ def main(argv=None) -> int:
     json.dump(out, f, indent=1)
   config_lib._read_json(args.out)  # pylint: disable=protected-access  # loads as the kernels would
   where = f" for shapes {args.shapes}" if args.shapes else ""
-  print(f"{args.out}: the {args.device} file with {args.entry} changed by {changes}{where}")
+  start = args.base or f"the {args.device} file"
+  print(f"{args.out}: {start} with {args.entry} changed by {changes}{where}")
   return 0
 
 

@@ -535,6 +535,18 @@ def test_tuning_variant_changes_one_entry_and_refuses_bad_ones(tmp_path, monkeyp
   split_file = tuning_variant.variant(base, "fwd", 1, {"block_n": 64}, [[18944, 3584]])
   with pytest.raises(ValueError, match=r"shapes \[\[18944, 3584\], \[3584, 3584\]\] are tuned by different fwd:1"):
     tuning_variant.variant(split_file, "fwd", 1, {"block_n": 32}, [[18944, 3584], [3584, 3584]])
+  # ... so such a change is two variants, the second built on the first (--base): both shapes change, the rest not.
+  chained = tmp_path / "chained.json"
+  assert tuning_variant.main(["--entry", "fwd:1", "--shapes", "18944x3584", "--set", "pipeline=true", "--out",
+                              str(out)]) == 0
+  assert tuning_variant.main(["--base", str(out), "--entry", "fwd:1", "--shapes", "3584x37888", "--set",
+                              "pipeline=true", "--out", str(chained)]) == 0
+  monkeypatch.setenv("QERL_KERNEL_TUNING", str(chained))
+  pipelined = {(k, n): config_lib.get_config("fwd", 1, k, n, "NVIDIA H200")
+               for k, n in ((18944, 3584), (3584, 37888), (3584, 4608), (3584, 3584))}
+  assert {kn for kn, cfg in pipelined.items() if cfg.pipeline} == {(18944, 3584), (3584, 37888)}
+  assert pipelined[18944, 3584].one_round and not pipelined[3584, 37888].one_round
+  monkeypatch.delenv("QERL_KERNEL_TUNING")
   with pytest.raises(SystemExit):
     tuning_variant.main(["--entry", "fwd:1", "--shapes", "18944by3584", "--set", "block_n=64", "--out", str(out)])
   with pytest.raises(ValueError, match="dequant"):
