@@ -70,8 +70,8 @@ class Nvfp4MatmulConfig:
   the one-row gemv's time goes"); a raw-Triton probe of the same gemv with cp.async ran gate_up and down 7% faster
   and the short-K q|k|v and o slower (RESULTS "The one-row gemv written directly in Triton"). Offline SASS
   (kernel_sass, pip Triton 3.6, 7B gate, one row): the codes', scales' and x's loads become LDGSTS (x in place
-  then loads as whole pairs, ``nvfp4_gemv_kernel``), +2% / +6% instructions per trip at 2 / 3 stages. Untimed in Pallas; off in the H200 file. The tile kernels' loops have dots
-  and are pipelined by ``num_stages`` alone.
+  then loads as whole pairs, ``nvfp4_gemv_kernel``), +2% / +6% instructions per trip at 2 / 3 stages. Untimed in
+  Pallas; off in the H200 file. The tile kernels' loops have dots and are pipelined by ``num_stages`` alone.
   engine: "tensorcore" (the tile kernels above) or "gemv" (forward only, at most GEMV_MAX_ROWS rows: each
   decoded weight meets its x element in a float32 multiply-add on the CUDA cores; block_m is unused there
   and dequant is "asm" or the e4m3 route). ``fit`` turns a gemv config into a tensor-core one where gemv
