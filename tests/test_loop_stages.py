@@ -17,12 +17,12 @@ from tests.triton_lowering import lower_for_cuda
 MARK = re.compile(r"\} \{tt\.num_stages = (\d+) : i32\}")
 
 
-def _two_loops(marked_first: bool, stages: int = 3):
-  """A kernel with two K loops over x: o = sum of x's 16-wide rows, then plus twice their sum. One is marked."""
+def _two_loops(marked_first: bool):
+  """A kernel with two K loops over x: o = sum of x's 16-wide rows, then plus twice their sum. One is marked (3)."""
   def kernel(x_ref, o_ref):
     def body(mark, scale):
       def step(i, acc):
-        acc = loop_stages.pipelined(acc, stages) if mark else acc
+        acc = loop_stages.pipelined(acc, 3) if mark else acc
         return acc + scale * x_ref[pl.ds(i * 16, 16)].astype(jnp.float32)
       return step
     first = jax.lax.fori_loop(0, 8, body(marked_first, 1.0), jnp.zeros((16,), jnp.float32))
