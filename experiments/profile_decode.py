@@ -107,6 +107,19 @@ def launch_rounds(launch: str, num_sms: int) -> float | None:
   return round(programs / (per_sm * num_sms), 3) if per_sm else None
 
 
+def launch_resources(launch: str) -> str:
+  """ "80 regs 17.0 KB" from a ``launch`` string (registers per thread, static + dynamic shared memory per program);
+  "" where it names neither. A gemv whose K loop Triton pipelined shows its stages' shared memory here (the
+  unpipelined one-row gemv: 2 KB)."""
+  fields = dict(f.split(":", 1) for f in launch.split() if ":" in f)
+  try:
+    shared = int(fields.get("static_shared", 0)) + int(fields.get("dynamic_shared", 0))
+    regs = f"{int(fields['regs'])} regs " if "regs" in fields else ""
+  except ValueError:
+    return ""
+  return f"{regs}{shared / 1024:.1f} KB" if regs or "dynamic_shared" in fields else ""
+
+
 def module_launches(trace_dir: str) -> dict[str, str]:
   """{HLO module: the launch of its longest-running GPU kernel, as the trace states it ("regs:56
   static_shared:0 dynamic_shared:512 grid:1184,1,1 block:128,1,1 occ_pct:56.25")}: the registers, shared
@@ -295,10 +308,11 @@ def run(args):
               f"output {rec['output_sha']}",
               flush=True)
         for name, us in list(rec["kernels_us_per_step"].items())[:args.top]:
-          rounds = launch_rounds(details[name].get("kernel_details", ""), num_sms)
+          launch = details[name].get("kernel_details", "")
+          rounds, resources = launch_rounds(launch, num_sms), launch_resources(launch)
           print(f"   {us:9.1f} us  {100 * us / 1e3 / max(kernel_ms, 1e-9):5.1f}%  "
                 f"{details[name]['calls'] / args.steps:5.1f} calls  {'%5.2f rounds  ' % rounds if rounds else ''}"
-                f"{name[:100]}", flush=True)
+                f"{resources + '  ' if resources else ''}{name[:100]}", flush=True)
         if args.show_hlo or args.hlo_out:  # what each top XLA fusion computes, to trace it to the model code
           hlo = decode.lower(gs, token, held["cache"], jnp.int32(args.start), valid, jax.random.key(0),
                              steps_arr).compile().as_text()

@@ -164,6 +164,16 @@ def test_rounds_of_programs_from_a_launch_record():
   assert recs[0]["rounds"] == 2.0 and recs[0]["device_us"] == 30.0
 
 
+def test_launch_resources_name_registers_and_shared_memory():
+  # profile_decode prints them beside the rounds: a pipelined gemv's stages show as shared memory.
+  from experiments.profile_decode import launch_resources
+  launch = "regs:85 static_shared:0 dynamic_shared:17408 grid:2400,1,1 block:128,1,1"
+  assert launch_resources(launch) == "85 regs 17.0 KB"
+  assert launch_resources("regs:40 static_shared:8320 dynamic_shared:0 grid:8,1,1") == "40 regs 8.1 KB"
+  assert launch_resources("grid:1,1,1 dynamic_shared:2048") == "2.0 KB"
+  assert launch_resources("grid:1,1,1 block:1,1,1") == "" and launch_resources("regs:x") == ""
+
+
 def test_tuning_entries_let_only_candidates_timed_on_every_shape_win():
   from experiments import bench_kernels
 
