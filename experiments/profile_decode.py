@@ -92,12 +92,17 @@ def device_sms() -> int:
   return getattr(jax.devices()[0], "core_count", 132) or 132
 
 
+def _launch_fields(launch: str) -> dict[str, str]:
+  """{"regs": "56", "grid": "1184,1,1", ...} of a trace's launch string."""
+  return dict(f.split(":", 1) for f in launch.split() if ":" in f)
+
+
 def launch_rounds(launch: str, num_sms: int) -> float | None:
   """Rounds of programs a launch runs: its programs over the ones that fit the GPU at once (occupancy's warps per
   SM over the warps per program, times the SMs), from a ``launch`` string ("grid:592,1,1 block:64,1,1
   occ_pct:12.5 ..."); None where the string lacks those fields. 1.12 rounds is a full round and a nearly empty
   one: at 64 rows 7B gate|up ran 84.2 us against 61.5 for one full round (H100, d4f251b)."""
-  fields = dict(f.split(":", 1) for f in launch.split() if ":" in f)
+  fields = _launch_fields(launch)
   try:
     programs = math.prod(int(v) for v in fields["grid"].split(","))
     warps = -(-int(fields["block"].split(",")[0]) // 32)
@@ -111,7 +116,7 @@ def launch_resources(launch: str) -> str:
   """ "80 regs 17.0 KB" from a ``launch`` string (registers per thread, static + dynamic shared memory per program);
   "" where it names neither. A gemv whose K loop Triton pipelined shows its stages' shared memory here (the
   unpipelined one-row gemv: 2 KB)."""
-  fields = dict(f.split(":", 1) for f in launch.split() if ":" in f)
+  fields = _launch_fields(launch)
   try:
     shared = int(fields.get("static_shared", 0)) + int(fields.get("dynamic_shared", 0))
     regs = f"{int(fields['regs'])} regs " if "regs" in fields else ""

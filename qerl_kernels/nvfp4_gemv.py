@@ -152,9 +152,9 @@ def _values(ref, prefix: tuple, blocks, layout: str):
   (even, odd) planes [blocks, 8], or for "pairs" the whole [blocks, 8, 2], which ``_planes`` splits."""
   if layout == "pairs":
     return ref[(*prefix, blocks, slice(None), slice(None))].astype(jnp.float32)
-  index = (lambda h: (*prefix, h, blocks, slice(None))) if layout == "planes" else (
-      lambda h: (*prefix, blocks, slice(None), h))
-  return tuple(ref[index(h)].astype(jnp.float32) for h in (0, 1))
+  if layout == "planes":
+    return tuple(ref[(*prefix, h, blocks, slice(None))].astype(jnp.float32) for h in (0, 1))
+  return tuple(ref[(*prefix, blocks, slice(None), h)].astype(jnp.float32) for h in (0, 1))
 
 
 def _planes(values, layout: str) -> tuple[jax.Array, jax.Array]:
@@ -189,7 +189,7 @@ def x_source(x_ref, rows: int, layout: str, norm: NormPlan | None = None, norm_r
   invs = [row_inv_rms(ss_ref, jnp.int32(r), blocks=norm.blocks, d=norm.d, eps=norm.eps) for r in range(rows)]
 
   def read(r, blocks):
-    x = _planes(_values(x_ref, (jnp.int32(r),), blocks, layout), layout)
+    x = x_planes(x_ref, jnp.int32(r), blocks, layout)
     # The norm's vectors stay strided under "pairs": loaded as pairs too, Triton's layouts put the norm's math in
     # the products' layout, where each value sits in many threads (kernel_sass, 7B gate|up, pipelined: 891
     # instructions per trip against 490).
